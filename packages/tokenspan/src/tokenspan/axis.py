@@ -1,0 +1,57 @@
+"""`token_axis`: where a tensor keeps its per-token rows, if it has them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenspan.errors import SpanShapeError
+
+if TYPE_CHECKING:
+    from tokenspan.layout import StepLayout
+
+
+def token_axis(value: Any, layout: StepLayout) -> int | None:
+    """The axis along which `value` holds one row per token of the step, or `None`.
+
+    Recognised: `[tokens, ...]` (axis 0; vLLM's flat slab), `[1, tokens, ...]` (axis 1; engines
+    that keep a singleton batch axis), and either of those with `layout.padded_total` rows
+    instead of `layout.total` (a slab padded for a CUDA graph bucket). Anything else — weights,
+    scalars, metadata, non-tensors — is not per-token and returns `None`, so nested outputs can
+    be walked and only their per-token parts touched.
+
+    This is a test of shape alone: hand it activations, not parameters, or pass `axis=`
+    explicitly where a parameter could share the token count.
+    """
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    rows = (layout.total, layout.padded_total)
+    if value.shape[0] in rows:
+        return 0
+    if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] in rows:
+        return 1
+    return None
+
+
+def require_token_axis(value: torch.Tensor, layout: StepLayout, axis: int | None) -> int:
+    """The token axis of a tensor the caller says is per-token; a clear error if it is not."""
+    if axis is None:
+        found = token_axis(value, layout)
+        if found is None:
+            raise SpanShapeError(
+                f"a tensor of shape {tuple(value.shape)} has no token axis for a step of "
+                f"{layout.total} rows ({layout.padded_total} padded); expected [tokens, ...] or "
+                "[1, tokens, ...], or pass axis= explicitly"
+            )
+        return found
+    if not -value.dim() <= axis < value.dim():
+        raise SpanShapeError(f"axis {axis} is out of range for a tensor of shape "
+                             f"{tuple(value.shape)}")
+    axis %= value.dim()
+    if value.shape[axis] < layout.total:
+        raise SpanShapeError(
+            f"axis {axis} of a tensor of shape {tuple(value.shape)} has "
+            f"{value.shape[axis]} rows, fewer than the step's {layout.total} tokens"
+        )
+    return axis
