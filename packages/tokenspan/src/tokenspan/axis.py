@@ -22,7 +22,8 @@ def token_axis(value: Any, layout: StepLayout) -> int | None:
     be walked and only their per-token parts touched.
 
     This is a test of shape alone: hand it activations, not parameters, or pass `axis=`
-    explicitly where a parameter could share the token count.
+    explicitly where a parameter could share the token count. Axis 0 wins when both readings
+    fit, which only happens in a one-token step (`[1, n, ...]` with `n` the padded total).
     """
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return None

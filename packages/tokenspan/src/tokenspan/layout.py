@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +19,14 @@ Key = Hashable
 
 
 def _ints(values: Any, what: str) -> list[int]:
-    """Plain ints from a list, tuple, numpy array or tensor (engines hand over all of these)."""
-    if isinstance(values, torch.Tensor):
-        return [int(v) for v in values.tolist()]
-    if hasattr(values, "tolist"):  # numpy, without importing it
-        return [int(v) for v in values.tolist()]
+    """Plain ints from a list, tuple, numpy array or tensor (engines hand over all of these).
+
+    Floats are refused rather than truncated: a fractional row count is a caller's bug.
+    """
+    if hasattr(values, "tolist"):  # tensors and numpy arrays, without importing numpy
+        values = values.tolist()
     try:
-        return [int(v) for v in values]
+        return [operator.index(v) for v in values]
     except TypeError as error:
         raise LayoutError(f"{what} must be a sequence of integers, got {values!r}") from error
 
