@@ -315,18 +315,32 @@ class StepLayout:
             self._device_cache[cache_key] = cached
         return cached
 
+    def _row_owners(self) -> torch.Tensor:
+        """Shared, cached (host) tensor: the slab-order index of each real row's request."""
+        cached = self._device_cache.get(("row_owners", "cpu"))
+        if cached is None:
+            counts = self._tensor("counts", None)
+            cached = torch.repeat_interleave(torch.arange(len(self)), counts,
+                                             output_size=self._total)
+            self._device_cache[("row_owners", "cpu")] = cached
+        return cached
+
+    def _row_positions(self) -> torch.Tensor:
+        """Shared, cached (host) tensor: the absolute position of each real row."""
+        cached = self._device_cache.get(("row_positions", "cpu"))
+        if cached is None:
+            shift = self._tensor("first_positions", None) - self._tensor("starts", None)
+            cached = torch.arange(self._total) + shift.index_select(0, self._row_owners())
+            self._device_cache[("row_positions", "cpu")] = cached
+        return cached
+
     def request_indices(self, device: torch.device | str | None = None) -> torch.Tensor:
         """For each of the `total` rows, the slab-order index of the request that owns it."""
-        counts = self._tensor("counts", device)
-        return torch.repeat_interleave(torch.arange(len(self), device=counts.device), counts,
-                                       output_size=self._total)
+        return self._row_owners().to(device, copy=True)
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The absolute position of each of the `total` rows (padding excluded), one kernel pass."""
-        counts = self._tensor("counts", device)
-        shift = self._tensor("first_positions", device) - self._tensor("starts", device)
-        rows = torch.arange(self._total, dtype=torch.long, device=counts.device)
-        return rows + torch.repeat_interleave(shift, counts, output_size=self._total)
+        return self._row_positions().to(device, copy=True)
 
     def split(self, value: torch.Tensor, axis: int | None = None) -> dict[Key, torch.Tensor]:
         """Cut a slab into per-request views along its token axis, in one call (padding dropped).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,23 +30,17 @@ class Selection:
     each selected row), `owners` (index into `keys` of each selected row).
     """
 
-    __slots__ = ("_by_device", "counts", "keys", "layout", "owners", "positions", "rows")
+    __slots__ = ("_by_device", "_owners", "_positions", "counts", "keys", "layout", "rows")
 
     def __init__(
-        self,
-        layout: StepLayout,
-        keys: tuple[Key, ...],
-        counts: tuple[int, ...],
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        owners: torch.Tensor,
+        self, layout: StepLayout, keys: tuple[Key, ...], counts: tuple[int, ...], rows: torch.Tensor
     ) -> None:
         self.layout = layout
         self.keys = keys
         self.counts = counts
         self.rows = rows
-        self.positions = positions
-        self.owners = owners
+        self._positions: torch.Tensor | None = None
+        self._owners: torch.Tensor | None = None
         self._by_device: dict[tuple[str, str], torch.Tensor] = {}
 
     @classmethod
@@ -56,51 +51,74 @@ class Selection:
         device: torch.device | str | None = None,
     ) -> Selection:
         """Select rows; see `StepLayout.select` for what `wanted` may be."""
-        if wanted is None:
-            wanted = layout.keys
-        if not isinstance(wanted, Mapping):
-            wanted = dict.fromkeys(wanted)
-        request_of_row = layout.request_indices()
-        whole_requests = torch.zeros(len(layout), dtype=torch.bool)
+        # Gather the requests' wishes in plain Python first (C-level loops where possible), so the
+        # tensor work below is a fixed handful of kernels however many requests there are.
+        index_of = layout._index
+        whole_requests: list[int] = []
         position_lists: list[int] = []
         position_owners: list[int] = []
-        for key, positions in wanted.items():
-            if key not in layout:
-                continue  # not scheduled this step: nothing of it to select
-            index = layout.index(key)
-            if positions is None:
-                whole_requests[index] = True
-                continue
-            positions = [int(p) for p in positions]
-            if positions and min(positions) < 0:
-                raise LayoutError(
-                    f"request {key!r}: positions must be absolute (>= 0), got {min(positions)}; "
-                    "resolve positions counted from the end against the prompt length first"
-                )
-            position_lists.extend(positions)
-            position_owners.extend([index] * len(positions))
-        selected = whole_requests[request_of_row]
+        if wanted is None:
+            whole_requests = list(range(len(layout)))
+        elif not isinstance(wanted, Mapping):
+            whole_requests = [i for i in map(index_of.get, wanted) if i is not None]
+        else:
+            for key, positions in wanted.items():
+                index = index_of.get(key)
+                if index is None:
+                    continue  # not scheduled this step: nothing of it to select
+                if positions is None:
+                    whole_requests.append(index)
+                    continue
+                before = len(position_lists)
+                position_lists.extend(positions)
+                position_owners.extend(repeat(index, len(position_lists) - before))
+
+        # index_select / index_fill_ rather than advanced indexing: on a busy CPU the latter can
+        # cost milliseconds where these take microseconds.
+        row_owners = layout._row_owners()
+        wanted_whole = torch.zeros(len(layout), dtype=torch.bool)
+        wanted_whole.index_fill_(0, torch.tensor(whole_requests, dtype=torch.long), True)
+        selected = wanted_whole.index_select(0, row_owners)
         if position_lists:
-            wanted_positions = torch.tensor(position_lists, dtype=torch.long)
             owners = torch.tensor(position_owners, dtype=torch.long)
-            first = layout._tensor("first_positions", None)[owners]
-            offset = wanted_positions - first
-            present = (offset >= 0) & (offset < layout._tensor("counts", None)[owners])
-            rows = layout._tensor("starts", None)[owners] + offset
-            selected[rows[present]] = True
+            offset = _absolute_positions(position_lists, owners, layout) - layout._tensor(
+                "first_positions", None).index_select(0, owners)
+            present = (offset >= 0) & (offset < layout._tensor("counts", None).index_select(
+                0, owners))
+            rows = layout._tensor("starts", None).index_select(0, owners) + offset
+            selected.index_fill_(0, rows.masked_select(present), True)
         rows = selected.nonzero().squeeze(1)
-        request_index = request_of_row[rows]
-        per_request = torch.bincount(request_index, minlength=len(layout))
-        chosen = per_request.nonzero().squeeze(1)
-        keys = tuple(layout.keys[i] for i in chosen.tolist())
-        counts = tuple(per_request[chosen].tolist())
-        owner_in_selection = torch.repeat_interleave(
-            torch.arange(len(keys)), per_request[chosen], output_size=len(rows)
-        )
-        selection = cls(layout, keys, counts, rows, layout.positions()[rows], owner_in_selection)
+
+        if position_lists:
+            per_request = torch.bincount(row_owners.index_select(0, rows), minlength=len(layout))
+            chosen = per_request.nonzero().squeeze(1).tolist()
+            counts = tuple(per_request.index_select(0, torch.tensor(chosen, dtype=torch.long))
+                           .tolist())
+        else:  # whole requests only: their counts are known without looking at rows
+            all_counts = layout.counts
+            chosen = [i for i in sorted(set(whole_requests)) if all_counts[i]]
+            counts = tuple(map(all_counts.__getitem__, chosen))
+        selection = cls(layout, tuple(map(layout.keys.__getitem__, chosen)), counts, rows)
         if device is not None:
             selection.rows_on(device)
         return selection
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The absolute position of each selected row (int64, on the host)."""
+        if self._positions is None:
+            self._positions = self.layout._row_positions().index_select(0, self.rows)
+        return self._positions
+
+    @property
+    def owners(self) -> torch.Tensor:
+        """For each selected row, the index into `keys` of its request (int64, on the host)."""
+        if self._owners is None:
+            self._owners = torch.repeat_interleave(
+                torch.arange(len(self.keys)), torch.tensor(self.counts, dtype=torch.long),
+                output_size=len(self.rows),
+            )
+        return self._owners
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -109,6 +127,7 @@ class Selection:
         return f"Selection({len(self.keys)} requests, {len(self)} rows)"
 
     def _on(self, name: str, device: torch.device) -> torch.Tensor:
+        """A selection tensor (`rows` or `owners`) on `device`, copied there at most once."""
         tensor = getattr(self, name)
         if device.type == "cpu":
             return tensor
@@ -173,3 +192,21 @@ class Selection:
                 f"selected rows {expected}"
             ) from error
         whole.index_add_(axis, self.rows_on(whole.device), delta)
+
+
+def _absolute_positions(
+    positions: list[int], owners: torch.Tensor, layout: StepLayout
+) -> torch.Tensor:
+    """Wanted positions as one int64 tensor, refusing fractions and negatives by request."""
+    tensor = torch.tensor(positions)
+    if tensor.is_floating_point() or tensor.dtype == torch.bool:
+        raise LayoutError(f"positions must be integers, got {tensor.dtype} values")
+    negative = (tensor < 0).nonzero()
+    if len(negative):
+        first = int(negative[0])
+        key = layout.keys[int(owners[first])]
+        raise LayoutError(
+            f"request {key!r}: positions must be absolute (>= 0), got {positions[first]}; "
+            "resolve positions counted from the end against the prompt length first"
+        )
+    return tensor.long()
