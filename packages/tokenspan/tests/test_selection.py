@@ -122,3 +122,30 @@ def test_bad_inputs_are_named() -> None:
         layout.select({"a": [-1]})
     with pytest.raises(SpanShapeError, match=r"no token axis"):
         selection.gather(torch.zeros(4, 4))
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_long_runs_take_the_slicing_path_and_match_the_index_path(every: int) -> None:
+    # Requests of 40 rows: on CPU these are sliced run by run instead of indexed; the result
+    # must be bitwise what the indexed kernels give.
+    layout = StepLayout.from_counts([f"r{i}" for i in range(12)], [40] * 12, list(range(12)))
+    selection = layout.select(layout.keys[::every])
+    assert selection._by_runs(torch.device("cpu"))
+    assert len(selection.runs) == (1 if every == 1 else len(selection.keys))
+    slab = torch.randn(480, 8)
+    part = torch.randn(len(selection), 8)
+    assert torch.equal(selection.gather(slab), slab.index_select(0, selection.rows))
+    for method, reference in (("scatter", torch.Tensor.index_copy_),
+                              ("add", torch.Tensor.index_add_)):
+        sliced, indexed = slab.clone(), slab.clone()
+        getattr(selection, method)(sliced, part)
+        reference(indexed, 0, selection.rows, part)
+        assert torch.equal(sliced, indexed), method
+
+
+def test_runs_merge_neighbouring_requests() -> None:
+    layout = StepLayout.from_counts(["a", "b", "c", "d"], [2, 3, 0, 4], [0, 0, 0, 7])
+    assert layout.select(["a", "b", "d"]).runs == [(0, 9)]
+    assert layout.select(["a", "d"]).runs == [(0, 2), (5, 9)]
+    assert layout.select({"b": [0, 2], "d": [7]}).runs == [(2, 3), (4, 6)]
+    assert layout.select([]).runs == []

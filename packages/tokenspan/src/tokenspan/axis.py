@@ -25,12 +25,15 @@ def token_axis(value: Any, layout: StepLayout) -> int | None:
     explicitly where a parameter could share the token count. Axis 0 wins when both readings
     fit, which only happens in a one-token step (`[1, n, ...]` with `n` the padded total).
     """
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+    if not isinstance(value, torch.Tensor):
         return None
-    rows = (layout.total, layout.padded_total)
-    if value.shape[0] in rows:
+    shape = value.shape
+    if not shape:
+        return None
+    total, padded_total = layout._total, layout._padded_total
+    if shape[0] == total or shape[0] == padded_total:
         return 0
-    if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] in rows:
+    if len(shape) >= 2 and shape[0] == 1 and (shape[1] == total or shape[1] == padded_total):
         return 1
     return None
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def check_span(span: Span, layout: StepLayout) -> None:
     """Refuse a span that reaches past the step's real rows (e.g. kept from an earlier step)."""
-    if span.stop > layout.total:
+    if span.stop > layout._total:
         raise LayoutError(
             f"span rows {span.start}:{span.stop} reach beyond this step's {layout.total} token "
             "rows; spans must come from the current step's layout"
@@ -56,12 +56,13 @@ def narrow(
     a working version counter. dtype and device are preserved; padded rows are never included.
     """
     check_span(span, layout)
+    start, length = span.start, span.stop - span.start
 
     def narrow_leaf(_: Path, leaf: Any) -> Any:
         leaf_ax = leaf_axis(leaf, layout, axis)
         if leaf_ax is None:
             return leaf
-        rows = leaf.narrow(leaf_ax, span.start, len(span))
+        rows = leaf.narrow(leaf_ax, start, length)
         return private_copy(rows) if copy else rows
 
     if isinstance(value, torch.Tensor):

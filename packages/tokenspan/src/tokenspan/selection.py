@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from itertools import repeat
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from tokenspan.layout import StepLayout
 
 Key = Hashable
+
+# On CPU, runs of at least this many rows on average are sliced run by run (see `_by_runs`).
+RUN_ROWS = 16
 
 
 class Selection:
@@ -30,7 +33,8 @@ class Selection:
     each selected row), `owners` (index into `keys` of each selected row).
     """
 
-    __slots__ = ("_by_device", "_owners", "_positions", "counts", "keys", "layout", "rows")
+    __slots__ = ("_by_device", "_owners", "_positions", "_runs", "counts", "keys", "layout",
+                 "rows")
 
     def __init__(
         self, layout: StepLayout, keys: tuple[Key, ...], counts: tuple[int, ...], rows: torch.Tensor
@@ -41,6 +45,7 @@ class Selection:
         self.rows = rows
         self._positions: torch.Tensor | None = None
         self._owners: torch.Tensor | None = None
+        self._runs: list[tuple[int, int]] | None = None
         self._by_device: dict[tuple[str, str], torch.Tensor] = {}
 
     @classmethod
@@ -147,9 +152,47 @@ class Selection:
         shape[axis] = len(self)
         return tuple(shape)
 
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        """The selected rows as maximal `(start, stop)` runs of consecutive rows, in order.
+
+        Neighbouring requests merge: selecting every request of a step is a single run.
+        """
+        if self._runs is None:
+            if len(self.rows) == 0:
+                self._runs = []
+            else:
+                breaks = ((self.rows[1:] - self.rows[:-1]) != 1).nonzero().squeeze(1) + 1
+                edges = [0, *breaks.tolist(), len(self.rows)]
+                starts = self.rows.index_select(0, torch.tensor(edges[:-1])).tolist()
+                self._runs = [(start, start + stop - begin)
+                              for start, begin, stop in zip(starts, edges[:-1], edges[1:])]
+        return self._runs
+
+    def _by_runs(self, device: torch.device) -> bool:
+        """Whether slicing run by run beats one indexed kernel for this selection.
+
+        One run is always a slice. On CPU, torch's index_add_/index_copy_ are much slower per
+        byte than slice copies (measured: 5x for 32-row runs of 4096 floats, see
+        docs/benchmarks/tokenspan.md), so long runs are sliced there; on GPUs one kernel beats a
+        launch per run.
+        """
+        runs = self.runs
+        if not runs:
+            return False
+        return len(runs) == 1 or (device.type == "cpu" and len(self.rows) >= RUN_ROWS * len(runs))
+
+    def _selected_shape(self, whole: torch.Tensor, axis: int) -> tuple[int, ...]:
+        shape = list(whole.shape)
+        shape[axis] = len(self)
+        return tuple(shape)
+
     def gather(self, whole: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-        """A new tensor of the selected rows (every request's, back to back), in one kernel."""
+        """A new tensor of the selected rows (every request's, back to back)."""
         axis = require_token_axis(whole, self.layout, axis)
+        if self._by_runs(whole.device):
+            pieces = [whole.narrow(axis, start, stop - start) for start, stop in self.runs]
+            return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=axis)
         return whole.index_select(axis, self.rows_on(whole.device))
 
     def split(self, gathered: torch.Tensor, axis: int = 0) -> dict[Key, torch.Tensor]:
@@ -166,7 +209,10 @@ class Selection:
         return per_request.index_select(0, self._on("owners", per_request.device))
 
     def scatter(self, whole: torch.Tensor, part: torch.Tensor, axis: int | None = None) -> None:
-        """Write `part` (shaped like `gather`'s result) into the selected rows, in one kernel."""
+        """Write `part` (shaped like `gather`'s result) into the selected rows.
+
+        The shape is checked before anything is written.
+        """
         axis = require_token_axis(whole, self.layout, axis)
         expected = self._selected_shape(whole, axis)
         if tuple(part.shape) != expected:
@@ -174,10 +220,14 @@ class Selection:
                 f"expected shape {expected} for {len(self)} selected rows of "
                 f"{len(self.keys)} requests, got {tuple(part.shape)}"
             )
-        whole.index_copy_(axis, self.rows_on(whole.device), part.to(whole.dtype))
+        part = part.to(whole.dtype)
+        if self._by_runs(whole.device):
+            self._each_run(whole, part, axis, torch.Tensor.copy_)
+        else:
+            whole.index_copy_(axis, self.rows_on(whole.device), part)
 
     def add(self, whole: torch.Tensor, delta: torch.Tensor, axis: int | None = None) -> None:
-        """Add `delta` to the selected rows in one kernel.
+        """Add `delta` to the selected rows.
 
         `delta` is anything that broadcasts to the selected rows' shape: one vector for every
         row (`[hidden]`), or one per row (`[rows, hidden]`, e.g. from `per_row`).
@@ -191,7 +241,17 @@ class Selection:
                 f"cannot broadcast a delta of shape {tuple(delta.shape)} to the {len(self)} "
                 f"selected rows {expected}"
             ) from error
-        whole.index_add_(axis, self.rows_on(whole.device), delta)
+        if self._by_runs(whole.device):
+            self._each_run(whole, delta, axis, torch.Tensor.add_)
+        else:
+            whole.index_add_(axis, self.rows_on(whole.device), delta)
+
+    def _each_run(self, whole: torch.Tensor, part: torch.Tensor, axis: int,
+                  apply: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+        offset = 0
+        for start, stop in self.runs:
+            apply(whole.narrow(axis, start, stop - start), part.narrow(axis, offset, stop - start))
+            offset += stop - start
 
 
 def _absolute_positions(
