@@ -26,11 +26,12 @@ def dist_name(package_dir: Path) -> str:
 
 def built_version(package_dir: Path, out: Path) -> str:
     """Build the package's wheel and read the version from the wheel's own metadata."""
-    subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
          str(package_dir)],
-        check=True, capture_output=True, text=True,
+        capture_output=True, text=True,
     )
+    assert result.returncode == 0, f"building {package_dir.name} failed:\n{result.stderr[-3000:]}"
     (wheel,) = out.glob(f"{dist_name(package_dir).replace('-', '_')}-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         metadata = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
