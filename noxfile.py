@@ -68,6 +68,13 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """Static checks (ruff) over every package, the cross-package tests and the benchmarks."""
+    session.install("ruff>=0.8")
+    session.run("ruff", "check", str(ROOT))
+
+
+@nox.session(python="3.11")
 @nox.parametrize("package", list(_package_dirs()))
 def bench(session: nox.Session, package: str) -> None:
     """Run a package's benchmark script (never part of `tests`); results go to docs/benchmarks/."""

@@ -21,12 +21,11 @@ import platform
 from collections.abc import Callable
 from pathlib import Path
 
+import tokenspan
 import torch
 import torch.utils.benchmark as tbench
 from rich.console import Console
 from rich.table import Table
-
-import tokenspan
 from tokenspan import StepLayout, lease, narrow, widen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,15 +55,25 @@ def per_call_costs(slab: torch.Tensor, min_run_time: float) -> list[tuple[str, .
             lent.value.mul_(1.0)
             lent.commit()
 
-        copy_once = median_seconds(lambda span=span: slab[span.start:span.stop].clone(),
-                                   min_run_time)
+        def copy_once_fn(span=span) -> torch.Tensor:
+            return slab[span.start:span.stop].clone()
+
+        def narrow_view(span=span, layout=layout) -> torch.Tensor:
+            return narrow(slab, span, layout)
+
+        def narrow_copy(span=span, layout=layout) -> torch.Tensor:
+            return narrow(slab, span, layout, copy=True)
+
+        def widen_edit(span=span, layout=layout, edit=edit) -> None:
+            widen(slab, span, layout, edit)
+
+        copy_once = median_seconds(copy_once_fn, min_run_time)
         timings = {
-            "narrow (view)": median_seconds(lambda: narrow(slab, span, layout), min_run_time),
-            "narrow (copy)": median_seconds(lambda: narrow(slab, span, layout, copy=True),
-                                            min_run_time),
+            "narrow (view)": median_seconds(narrow_view, min_run_time),
+            "narrow (copy)": median_seconds(narrow_copy, min_run_time),
             "lease + commit, unmodified": median_seconds(unmodified_lease, min_run_time),
             "lease + edit + commit": median_seconds(edited_lease, min_run_time),
-            "widen": median_seconds(lambda: widen(slab, span, layout, edit), min_run_time),
+            "widen": median_seconds(widen_edit, min_run_time),
         }
         for name, seconds in timings.items():
             rows.append((f"{span_rows}", name, f"{seconds * 1e6:,.1f}",
@@ -88,7 +97,7 @@ def vectorised_against_loop(slab: torch.Tensor, min_run_time: float) -> list[tup
     layout = StepLayout.from_counts(keys, counts, firsts)
     spans = [layout[key] for key in keys]
     half, half_spans = keys[::2], spans[::2]
-    last = {key: [span.last_position] for key, span in zip(keys, spans)}
+    last = {key: [span.last_position] for key, span in zip(keys, spans, strict=True)}
     vectors = torch.randn(REQUESTS, HIDDEN, device=device)
     one_vector = torch.randn(HIDDEN, device=device)
     last_rows = layout.select(last, device=device)
@@ -151,7 +160,8 @@ def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def show(console: Console, title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+def show(console: Console, title: str, header: tuple[str, ...],
+         rows: list[tuple[str, ...]]) -> None:
     table = Table(title=title)
     for column in header:
         table.add_column(column)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-
 from tokenspan import StepLayout
 
 settings.register_profile("ci", max_examples=150, deadline=None)

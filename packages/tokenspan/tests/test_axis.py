@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tokenspan import StepLayout, token_axis
 
 LAYOUT = StepLayout.from_counts(["a", "b"], [3, 2], padded_total=8)  # total 5, padded 8

@@ -1,4 +1,4 @@
-"""tokenspan stays engine-agnostic: importing it pulls in no engine, no model library, no sibling."""
+"""tokenspan stays engine-agnostic: importing it loads no engine, model library or sibling."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import layouts
 from hypothesis import given
-
 from tokenspan import LayoutError, Span, StepLayout
 
 

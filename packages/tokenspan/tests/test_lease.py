@@ -1,4 +1,4 @@
-"""lease: private copies whose edits land in their own span only, and untouched leases write nothing."""
+"""lease: private copies whose edits land only in their span; untouched leases write nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import torch
 from conftest import layouts, slabs
 from hypothesis import given
 from hypothesis import strategies as st
-
 from tokenspan import READ_MODES, SpanShapeError, StepLayout, lease
 
 EDITS = {

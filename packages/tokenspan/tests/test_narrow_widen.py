@@ -9,7 +9,6 @@ import torch
 from conftest import layouts, slabs
 from hypothesis import given
 from hypothesis import strategies as st
-
 from tokenspan import LayoutError, Span, SpanShapeError, StepLayout, narrow, widen
 
 Pair = collections.namedtuple("Pair", ["hidden", "residual"])
@@ -66,8 +65,8 @@ def test_padded_rows_are_never_served(data: st.DataObject) -> None:
 def test_nested_values_keep_structure_and_non_tensor_leaves() -> None:
     layout = StepLayout.from_counts(["a", "b"], [2, 3])
     weight = torch.randn(4, 4)
-    value = (torch.arange(10.0).reshape(5, 2), {"scale": 2.0, "w": weight, "ids": [torch.arange(5)]},
-             None, Pair(torch.zeros(1, 5, 3), "tag"))
+    extras = {"scale": 2.0, "w": weight, "ids": [torch.arange(5)]}
+    value = (torch.arange(10.0).reshape(5, 2), extras, None, Pair(torch.zeros(1, 5, 3), "tag"))
     out = narrow(value, layout["b"], layout, copy=True)
     assert isinstance(out, tuple) and isinstance(out[3], Pair)
     assert torch.equal(out[0], value[0][2:5])
@@ -124,7 +123,7 @@ def test_wrong_shape_write_raises_before_anything_is_written() -> None:
     good = torch.ones(3, 4)
     with pytest.raises(SpanShapeError, match=r"value\[1\].*expected shape \(3, 4\).*got \(2, 4\)"):
         widen(whole, layout["b"], layout, (good, torch.ones(2, 4)))
-    assert all(torch.equal(a, b) for a, b in zip(whole, before))
+    assert all(torch.equal(a, b) for a, b in zip(whole, before, strict=True))
 
 
 @pytest.mark.parametrize(

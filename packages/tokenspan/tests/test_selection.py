@@ -7,7 +7,6 @@ import torch
 from conftest import layouts, slabs
 from hypothesis import given
 from hypothesis import strategies as st
-
 from tokenspan import LayoutError, SpanShapeError, StepLayout, narrow
 
 
@@ -77,7 +76,7 @@ def test_gather_split_scatter_add_match_per_request_loops(data: st.DataObject) -
     added = slab.clone()
     selection.add(added, selection.per_row(vectors).reshape(gathered.shape))
     looped = slab.clone()
-    for i, key in enumerate(selection.keys):
+    for i in range(len(selection.keys)):
         rows = selection.rows[selection.owners == i]
         looped.index_add_(axis, rows, vectors[i].expand(*narrow_shape(slab, axis, len(rows))))
     assert torch.equal(added, looped)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -140,7 +139,7 @@ class StepLayout:
         spans: Sequence[Span | tuple[int, int] | tuple[int, int, int]],
         padded_total: int | None = None,
     ) -> StepLayout:
-        """A layout from explicit spans (or `(start, stop[, first_position])` tuples), in slab order.
+        """A layout from explicit spans (or `(start, stop[, first_position])` tuples), in order.
 
         This is the constructor that can be handed an inconsistent picture, so it names which
         request overlaps, leaves a gap before it, or comes out of order.
@@ -149,7 +148,7 @@ class StepLayout:
         spans = [span if isinstance(span, Span) else Span(*span) for span in spans]
         _check_lengths(keys, spans, "spans")
         previous: tuple[Key, Span] | None = None
-        for i, (key, span) in enumerate(zip(keys, spans)):
+        for i, (key, span) in enumerate(zip(keys, spans, strict=True)):
             if previous is None:
                 if span.start != 0:
                     raise LayoutError(
@@ -297,7 +296,8 @@ class StepLayout:
         shown = ", ".join(
             f"{key!r}: {start}:{start + count}@{first}"
             for key, start, count, first in zip(
-                self._keys[:6], self._starts, self._counts, self._first_positions
+                self._keys[:6], self._starts[:6], self._counts[:6], self._first_positions[:6],
+                strict=True,
             )
         )
         more = f", ... {len(self._keys) - 6} more" if len(self._keys) > 6 else ""
@@ -351,7 +351,7 @@ class StepLayout:
 
         axis = require_token_axis(value, self, axis)
         real = value.narrow(axis, 0, self._total)
-        return dict(zip(self._keys, torch.split(real, self._counts, dim=axis)))
+        return dict(zip(self._keys, torch.split(real, self._counts, dim=axis), strict=True))
 
     def select(
         self,

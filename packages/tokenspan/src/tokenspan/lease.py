@@ -107,9 +107,9 @@ class Lease:
         changed since the previous one.
         """
         value = self.value
-        if isinstance(value, torch.Tensor) and isinstance(self._originals, tuple):
-            if not self._leaf_changed((), value):
-                return False
+        single = isinstance(value, torch.Tensor) and isinstance(self._originals, tuple)
+        if single and not self._leaf_changed((), value):
+            return False
         writes = plan_writes(
             self._whole, self._span, self._layout, value, self._axis, self._leaf_changed
         )

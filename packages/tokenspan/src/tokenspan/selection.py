@@ -25,8 +25,9 @@ class Selection:
 
     Built by `StepLayout.select`. Instead of a Python loop over requests (one narrow, one
     kernel each), an op applied to every selected row is one `index_select`, `index_copy_` or
-    `index_add_` on the slab. Index tensors are built once on the host and copied to a device
-    at most once per device.
+    `index_add_` on the slab — or, where the rows form long runs on CPU, one slice per run
+    (neighbouring requests merge into one run). Index tensors are built once on the host and
+    copied to a device at most once per device.
 
     Attributes: `keys` (selected requests present this step, in slab order), `counts` (rows
     selected per key), `rows` (int64 slab rows, ascending), `positions` (absolute position of
@@ -56,31 +57,10 @@ class Selection:
         device: torch.device | str | None = None,
     ) -> Selection:
         """Select rows; see `StepLayout.select` for what `wanted` may be."""
-        # Gather the requests' wishes in plain Python first (C-level loops where possible), so the
-        # tensor work below is a fixed handful of kernels however many requests there are.
-        index_of = layout._index
-        whole_requests: list[int] = []
-        position_lists: list[int] = []
-        position_owners: list[int] = []
-        if wanted is None:
-            whole_requests = list(range(len(layout)))
-        elif not isinstance(wanted, Mapping):
-            whole_requests = [i for i in map(index_of.get, wanted) if i is not None]
-        else:
-            for key, positions in wanted.items():
-                index = index_of.get(key)
-                if index is None:
-                    continue  # not scheduled this step: nothing of it to select
-                if positions is None:
-                    whole_requests.append(index)
-                    continue
-                before = len(position_lists)
-                position_lists.extend(positions)
-                position_owners.extend(repeat(index, len(position_lists) - before))
-
+        whole_requests, position_lists, position_owners = _parse_wanted(layout, wanted)
+        row_owners = layout._row_owners()
         # index_select / index_fill_ rather than advanced indexing: on a busy CPU the latter can
         # cost milliseconds where these take microseconds.
-        row_owners = layout._row_owners()
         wanted_whole = torch.zeros(len(layout), dtype=torch.bool)
         wanted_whole.index_fill_(0, torch.tensor(whole_requests, dtype=torch.long), True)
         selected = wanted_whole.index_select(0, row_owners)
@@ -165,8 +145,8 @@ class Selection:
                 breaks = ((self.rows[1:] - self.rows[:-1]) != 1).nonzero().squeeze(1) + 1
                 edges = [0, *breaks.tolist(), len(self.rows)]
                 starts = self.rows.index_select(0, torch.tensor(edges[:-1])).tolist()
-                self._runs = [(start, start + stop - begin)
-                              for start, begin, stop in zip(starts, edges[:-1], edges[1:])]
+                lengths = [stop - begin for begin, stop in zip(edges, edges[1:], strict=False)]
+                self._runs = [(start, start + n) for start, n in zip(starts, lengths, strict=True)]
         return self._runs
 
     def _by_runs(self, device: torch.device) -> bool:
@@ -197,7 +177,7 @@ class Selection:
 
     def split(self, gathered: torch.Tensor, axis: int = 0) -> dict[Key, torch.Tensor]:
         """Cut a gathered tensor (or any `[rows, ...]` result) into per-request views."""
-        return dict(zip(self.keys, torch.split(gathered, self.counts, dim=axis)))
+        return dict(zip(self.keys, torch.split(gathered, self.counts, dim=axis), strict=True))
 
     def per_row(self, per_request: torch.Tensor) -> torch.Tensor:
         """Expand `[len(keys), ...]` values, one per selected request, to one per selected row."""
@@ -252,6 +232,35 @@ class Selection:
         for start, stop in self.runs:
             apply(whole.narrow(axis, start, stop - start), part.narrow(axis, offset, stop - start))
             offset += stop - start
+
+
+def _parse_wanted(
+    layout: StepLayout, wanted: Iterable[Key] | Mapping[Key, Iterable[int] | None] | None
+) -> tuple[list[int], list[int], list[int]]:
+    """Split a selection request into whole requests and `(position, request)` pairs.
+
+    Plain Python (C-level loops where possible), so the tensor work that follows is a fixed
+    handful of kernels however many requests there are. Keys absent from the step are skipped.
+    """
+    index_of = layout._index
+    if wanted is None:
+        return list(range(len(layout))), [], []
+    if not isinstance(wanted, Mapping):
+        return [i for i in map(index_of.get, wanted) if i is not None], [], []
+    whole_requests: list[int] = []
+    position_lists: list[int] = []
+    position_owners: list[int] = []
+    for key, positions in wanted.items():
+        index = index_of.get(key)
+        if index is None:
+            continue  # not scheduled this step: nothing of it to select
+        if positions is None:
+            whole_requests.append(index)
+            continue
+        before = len(position_lists)
+        position_lists.extend(positions)
+        position_owners.extend(repeat(index, len(position_lists) - before))
+    return whole_requests, position_lists, position_owners
 
 
 def _absolute_positions(

@@ -75,7 +75,7 @@ def zip_leaves(part: Any, whole: Any, path: Path = ()) -> Iterator[tuple[Path, A
                 f"at {describe_path(path)}: expected a sequence of {len(whole)} items like the "
                 f"original, got {_describe(part)}"
             )
-        for i, (p, w) in enumerate(zip(part, whole)):
+        for i, (p, w) in enumerate(zip(part, whole, strict=True)):
             yield from zip_leaves(p, w, (*path, i))
     elif isinstance(whole, Mapping):
         if not isinstance(part, Mapping) or set(part) != set(whole):
