@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from itertools import repeat
+from itertools import pairwise, repeat
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,7 +145,7 @@ class Selection:
                 breaks = ((self.rows[1:] - self.rows[:-1]) != 1).nonzero().squeeze(1) + 1
                 edges = [0, *breaks.tolist(), len(self.rows)]
                 starts = self.rows.index_select(0, torch.tensor(edges[:-1])).tolist()
-                lengths = [stop - begin for begin, stop in zip(edges, edges[1:], strict=False)]
+                lengths = [stop - begin for begin, stop in pairwise(edges)]
                 self._runs = [(start, start + n) for start, n in zip(starts, lengths, strict=True)]
         return self._runs
 
