@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import layouts, slabs
+from conftest import layouts, slab_with_span, slabs
 from hypothesis import given
 from hypothesis import strategies as st
 from tokenspan import READ_MODES, SpanShapeError, StepLayout, lease
@@ -18,12 +18,7 @@ EDITS = {
 
 
 def _check_edit_lands_only_in_span(data: st.DataObject) -> None:
-    layout = data.draw(layouts())
-    slab, axis = data.draw(slabs(layout))
-    if len(layout) == 0:
-        return
-    key = data.draw(st.sampled_from(layout.keys))
-    span = layout[key]
+    layout, slab, axis, span = data.draw(slab_with_span())
     edit = EDITS[data.draw(st.sampled_from(sorted(EDITS)))]
     expected = slab.clone()
     edit(expected.narrow(axis, span.start, len(span)))

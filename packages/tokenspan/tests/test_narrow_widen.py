@@ -6,7 +6,7 @@ import collections
 
 import pytest
 import torch
-from conftest import layouts, slabs
+from conftest import layouts, slab_with_span, slabs
 from hypothesis import given
 from hypothesis import strategies as st
 from tokenspan import LayoutError, Span, SpanShapeError, StepLayout, narrow, widen
@@ -34,12 +34,7 @@ def test_narrow_is_plain_slicing_and_widen_undoes_it(data: st.DataObject) -> Non
 
 @given(st.data())
 def test_widen_writes_only_its_span(data: st.DataObject) -> None:
-    layout = data.draw(layouts())
-    slab, axis = data.draw(slabs(layout))
-    if len(layout) == 0:
-        return
-    key = data.draw(st.sampled_from(layout.keys))
-    span = layout[key]
+    layout, slab, axis, span = data.draw(slab_with_span())
     before = slab.clone()
     replacement = torch.randn_like(narrow(slab, span, layout))
     widen(slab, span, layout, replacement)
