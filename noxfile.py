@@ -12,6 +12,7 @@ is found only through pip's configuration on our machines (see `constraints.txt`
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -37,10 +38,34 @@ def _package_dirs() -> dict[str, Path]:
     }
 
 
+def _pyproject(package_dir: Path) -> dict:
+    return tomllib.loads((package_dir / "pyproject.toml").read_text())
+
+
+def _with_local_dependencies(package_dir: Path) -> list[Path]:
+    """The package and, recursively, every sibling package it depends on.
+
+    Installing siblings from their folders in the same pip call keeps pip from looking for them
+    on PyPI, so each package is always tested against its siblings as they are in this tree.
+    """
+    by_dist = {_pyproject(path)["project"]["name"]: path for path in _package_dirs().values()}
+    found: list[Path] = []
+    pending = [package_dir]
+    while pending:
+        current = pending.pop()
+        if current in found:
+            continue
+        found.append(current)
+        for requirement in _pyproject(current)["project"].get("dependencies", []):
+            name = re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0]
+            if name in by_dist:
+                pending.append(by_dist[name])
+    return found
+
+
 def _test_group(package_dir: Path) -> list[str]:
     """The `--group` arguments for a package's `test` dependency group, if it declares one."""
-    pyproject = tomllib.loads((package_dir / "pyproject.toml").read_text())
-    if "test" in pyproject.get("dependency-groups", {}):
+    if "test" in _pyproject(package_dir).get("dependency-groups", {}):
         return ["--group", f"{package_dir / 'pyproject.toml'}:test"]
     return []
 
@@ -63,7 +88,7 @@ def tests(session: nox.Session, package: str) -> None:
                     *session.posargs)
         return
     package_dir = packages[package]
-    _install(session, str(package_dir), *_test_group(package_dir))
+    _install(session, *map(str, _with_local_dependencies(package_dir)), *_test_group(package_dir))
     session.run("pytest", str(package_dir / "tests"), *session.posargs)
 
 
@@ -81,5 +106,5 @@ def bench(session: nox.Session, package: str) -> None:
     script = ROOT / "benchmarks" / f"{package.replace('-', '_')}_bench.py"
     if not script.exists():
         session.skip(f"{package} has no benchmark script at {script.relative_to(ROOT)}")
-    _install(session, str(_package_dirs()[package]), "rich")
+    _install(session, *map(str, _with_local_dependencies(_package_dirs()[package])), "rich")
     session.run("python", str(script), *session.posargs)

@@ -1,0 +1,106 @@
+"""Codecs: turn the raw rows a site picked into a standard value, and a written value back.
+
+Every read is a private copy in nnterp's layout (leading batch axis of 1), so nothing a user
+keeps is overwritten by vLLM's in-place kernels. `encode` returns raw rows shaped exactly as
+they were read, so `tokenspan.widen` can put them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Codec:
+    """Base class: `decode(piece, module)` reads, `encode(piece, module, value)` writes back."""
+
+    writable = True
+
+    def decode(self, piece: Any, module: nn.Module) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, piece: Any, module: nn.Module, value: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def shape(self, piece: Any, module: nn.Module) -> tuple[int, ...]:
+        """The shape `decode` gives, without copying anything."""
+        raise NotImplementedError
+
+
+class Rows(Codec):
+    """A `[tokens, width]` tensor served as `[1, tokens, width]`."""
+
+    def decode(self, piece: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        return piece.clone().unsqueeze(0)
+
+    def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+        return value[0].to(piece.dtype)
+
+    def shape(self, piece: torch.Tensor, module: nn.Module) -> tuple[int, ...]:
+        return (1, *piece.shape)
+
+
+class Stream(Codec):
+    """The residual stream of a block that passes it as `(hidden, residual)` halves.
+
+    vLLM's fused blocks hand the stream on in two halves whose sum is the stream (`residual` is
+    `None` before the first block). A read is the sum; a write puts the whole edited stream in
+    the hidden half and zeros in the residual half, so the next fused add-norm rebuilds exactly
+    the edited stream. A plain tensor (no halves) is served like `Rows`.
+    """
+
+    def _halves(self, piece: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(piece, torch.Tensor):
+            return piece, None
+        hidden, residual = piece
+        return hidden, residual
+
+    def decode(self, piece: Any, module: nn.Module) -> torch.Tensor:
+        hidden, residual = self._halves(piece)
+        stream = hidden.clone() if residual is None else hidden + residual
+        return stream.unsqueeze(0)
+
+    def encode(self, piece: Any, module: nn.Module, value: torch.Tensor) -> Any:
+        hidden, residual = self._halves(piece)
+        new_hidden = value[0].to(hidden.dtype)
+        if isinstance(piece, torch.Tensor):
+            return new_hidden
+        return new_hidden, None if residual is None else torch.zeros_like(residual)
+
+    def shape(self, piece: Any, module: nn.Module) -> tuple[int, ...]:
+        return (1, *self._halves(piece)[0].shape)
+
+
+class Heads(Codec):
+    """A `[tokens, heads * head_dim]` tensor split into heads by the module's own head size.
+
+    `heads_first` serves `[1, heads, tokens, head_dim]` (queries, keys, values), otherwise
+    `[1, tokens, heads, head_dim]` (head outputs). The head size comes from the module
+    (`head_dim(module)`), never from the config, so per-layer sizes and tensor-parallel wholes
+    (which hold every head) both split correctly.
+    """
+
+    def __init__(self, head_dim: Callable[[nn.Module], int], heads_first: bool) -> None:
+        self.head_dim = head_dim
+        self.heads_first = heads_first
+
+    def _split(self, piece: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        size = self.head_dim(module)
+        tokens = piece.shape[0]
+        return piece.reshape(tokens, -1, size)
+
+    def decode(self, piece: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        heads = self._split(piece, module)
+        heads = heads.transpose(0, 1) if self.heads_first else heads
+        return heads.unsqueeze(0).clone(memory_format=torch.contiguous_format)
+
+    def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+        heads = value[0].transpose(0, 1) if self.heads_first else value[0]
+        return heads.reshape(piece.shape).to(piece.dtype)
+
+    def shape(self, piece: torch.Tensor, module: nn.Module) -> tuple[int, ...]:
+        tokens, heads, size = self._split(piece, module).shape
+        return (1, heads, tokens, size) if self.heads_first else (1, tokens, heads, size)

