@@ -1,6 +1,6 @@
 """The oracle: HF transformers (eager attention) on the same weights, read with forward hooks.
 
-For each standard value of a Llama-shaped model, where transformers keeps it — the definition
+For each standard value of a Llama-shaped model (Llama, Qwen2, Qwen3), where transformers keeps it — the definition
 the vLLM side must match. Queries, keys, values, head outputs and the pattern are taken inside
 transformers' own eager attention function, which this module wraps in place (the model runs
 with attn_implementation="eager", so transformers still builds the eager causal mask).
@@ -8,12 +8,12 @@ with attn_implementation="eager", so transformers still builds the eager causal 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.models.llama import modeling_llama
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -36,7 +36,8 @@ def _capture_attention(module, query, key, value, attention_mask, scaling, dropo
             key = tensor
         else:
             value = tensor
-    output, weights = _EAGER(module, query, key, value, attention_mask, scaling, dropout, **kw)
+    eager = _EAGER[type(module).__module__]
+    output, weights = eager(module, query, key, value, attention_mask, scaling, dropout, **kw)
     location = f"{layer}.attention_head_outputs"
     if location in edits:
         output = edits[location](output)
@@ -45,8 +46,17 @@ def _capture_attention(module, query, key, value, attention_mask, scaling, dropo
     return output, weights
 
 
-_EAGER = modeling_llama.eager_attention_forward
-modeling_llama.eager_attention_forward = _capture_attention
+# The original eager attention of each modeling module this oracle has wrapped.
+_EAGER: dict[str, Callable] = {}
+
+
+def _wrap_eager_attention(model: torch.nn.Module) -> None:
+    """Route the model's eager attention through `_capture_attention` (once per module)."""
+    attention_module = type(model.model.layers[0].self_attn).__module__
+    modeling = sys.modules[attention_module]
+    if attention_module not in _EAGER:
+        _EAGER[attention_module] = modeling.eager_attention_forward
+        modeling.eager_attention_forward = _capture_attention
 
 
 def _first(value: Any) -> torch.Tensor:
@@ -59,6 +69,7 @@ class HFOracle:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
         self.model.set_attn_implementation("eager")
+        _wrap_eager_attention(self.model)
 
     def _hook_points(self) -> list[tuple[str, torch.nn.Module, str]]:
         """`(location, module, kind)` for every value read by a module hook."""

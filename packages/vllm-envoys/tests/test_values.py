@@ -28,8 +28,9 @@ ATTENTION_VALUES = {
 MLP_VALUES = {"mlp_input", "mlp_neurons", "mlp_activation", "mlp_output"}
 
 
-def test_tree_has_nnterp_names_for_every_layer(harness) -> None:
+def test_tree_has_nnterp_names_for_every_layer(harness, family) -> None:
     standard = harness.standard
+    assert standard.family.model_types[0] == family.case.name
     assert len(standard.layers) == 3
     expected = {"token_embeddings"}
     for i in range(3):
@@ -93,7 +94,7 @@ def test_unknown_location_suggests_close_names(harness) -> None:
 
 def test_registry() -> None:
     assert lookup("llama").__name__ == "Llama" and lookup("mistral") is lookup("llama")
-    assert {"llama", "qwen2"} <= set(known())
+    assert {"llama", "qwen2", "qwen3"} <= set(known())
     with pytest.raises(UnknownFamily, match=r"'mamba'.*Families exist for: .*llama.*register"):
         lookup("mamba")
 

@@ -33,6 +33,23 @@ def start_engine(model_dir: str) -> LLM:
     )
 
 
+def shutdown(llm: LLM) -> None:
+    """Stop an in-process engine and free its memory, so another can start in this process."""
+    import gc
+
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
+
+
 class EnvoyHarness:
     """Reads every value of one request per step through vllm-envoys, or edits one value."""
 
