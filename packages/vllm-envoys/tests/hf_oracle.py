@@ -2,8 +2,9 @@
 
 For each standard value of a Llama-shaped model (Llama, Qwen2, Qwen3), where transformers keeps
 it — the definition the vLLM side must match. Queries, keys, values, head outputs and the
-pattern are taken inside transformers' own eager attention function, which this module wraps in place (the model runs
-with attn_implementation="eager", so transformers still builds the eager causal mask).
+pattern are taken inside transformers' own eager attention function, which this module wraps in
+place (the model runs with attn_implementation="eager", so transformers still builds the eager
+causal mask).
 """
 
 from __future__ import annotations
