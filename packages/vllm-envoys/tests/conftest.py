@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -33,18 +35,44 @@ SHAPE = dict(
 
 
 @dataclass(frozen=True)
+class HFNames:
+    """Where transformers keeps each standard value's module, for the oracle's hooks."""
+
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    down: str = "down_proj"
+    mid_norm: str = "post_attention_layernorm"
+    act: str | None = None  # plain MLPs: the activation module
+
+
+@dataclass(frozen=True)
 class FamilyCase:
-    """A family under test: the transformers classes that build its tiny random model."""
+    """A family under test: how to build its tiny random model, and transformers' names."""
 
     name: str
-    config: type
+    config: object
     model: type
+    hf: HFNames = HFNames()
+
+
+def llama_shaped(config: type) -> object:
+    return lambda: config(**SHAPE)
+
+
+def gpt2_config() -> GPT2Config:
+    return GPT2Config(vocab_size=256, n_embd=128, n_inner=256, n_layer=3, n_head=4,
+                      n_positions=256, activation_function="gelu_new", tie_word_embeddings=False)
 
 
 CASES = [
-    FamilyCase("llama", LlamaConfig, LlamaForCausalLM),
-    FamilyCase("qwen2", Qwen2Config, Qwen2ForCausalLM),
-    FamilyCase("qwen3", Qwen3Config, Qwen3ForCausalLM),
+    FamilyCase("llama", llama_shaped(LlamaConfig), LlamaForCausalLM),
+    FamilyCase("qwen2", llama_shaped(Qwen2Config), Qwen2ForCausalLM),
+    FamilyCase("qwen3", llama_shaped(Qwen3Config), Qwen3ForCausalLM),
+    FamilyCase("gpt2", gpt2_config, GPT2LMHeadModel,
+               HFNames(embed="transformer.wte", layers="transformer.h", attention="attn",
+                       down="c_proj", mid_norm="ln_2", act="act")),
 ]
 
 
@@ -65,7 +93,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
     case: FamilyCase = request.param
     torch.manual_seed(0)
-    model = case.model(case.config(**SHAPE))
+    model = case.model(case.config())
     with torch.no_grad():  # random init is tiny; widen it so layers do visible work
         for parameter in model.parameters():
             if parameter.dim() > 1:
@@ -73,7 +101,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     path = tmp_path_factory.mktemp(case.name)
     model.save_pretrained(path, safe_serialization=True)
     harness = EnvoyHarness(start_engine(str(path)))
-    oracle = HFOracle(case.model.from_pretrained(path, dtype=torch.float32))
+    oracle = HFOracle(case.model.from_pretrained(path, dtype=torch.float32), case.hf)
     yield FamilyRun(case, str(path), harness, oracle)
     shutdown(harness.llm)
 

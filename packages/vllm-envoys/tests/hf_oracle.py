@@ -23,7 +23,7 @@ _RUN: dict[str, Any] = {}
 
 
 def _capture_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-    layer = f"layers.{module.layer_idx}.self_attn"
+    layer = f"layers.{module.layer_idx}.self_attn"  # standard names, whatever the family
     edits = _RUN.get("edits", {})
     for name, tensor in (("attention_queries", query), ("attention_keys", key),
                          ("attention_values", value)):
@@ -53,7 +53,7 @@ _EAGER: dict[str, Callable] = {}
 
 def _wrap_eager_attention(model: torch.nn.Module) -> None:
     """Route the model's eager attention through `_capture_attention` (once per module)."""
-    attention_module = type(model.model.layers[0].self_attn).__module__
+    attention_module = type(model).__module__
     modeling = sys.modules[attention_module]
     if attention_module not in _EAGER:
         _EAGER[attention_module] = modeling.eager_attention_forward
@@ -67,27 +67,33 @@ def _first(value: Any) -> torch.Tensor:
 class HFOracle:
     """Runs a transformers Llama-shaped model and returns every standard value of a sequence."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, names: Any) -> None:
         self.model = model.eval()
+        self.names = names
         self.model.set_attn_implementation("eager")
         _wrap_eager_attention(self.model)
 
     def _hook_points(self) -> list[tuple[str, torch.nn.Module, str]]:
         """`(location, module, kind)` for every value read by a module hook."""
-        inner = self.model.model
-        points = [("token_embeddings", inner.embed_tokens, "output")]
-        for i, layer in enumerate(inner.layers):
+        names = self.names
+        points = [("token_embeddings", self.model.get_submodule(names.embed), "output")]
+        for i, layer in enumerate(self.model.get_submodule(names.layers)):
             prefix = f"layers.{i}"
+            attention = layer.get_submodule(names.attention)
+            mlp = layer.get_submodule(names.mlp)
             points += [
                 (f"{prefix}.layer_input", layer, "input:hidden_states"),
                 (f"{prefix}.layer_output", layer, "output"),
-                (f"{prefix}.layer_mid", layer.post_attention_layernorm, "input:0"),
-                (f"{prefix}.self_attn.attention_input", layer.self_attn, "input:hidden_states"),
-                (f"{prefix}.self_attn.attention_output", layer.self_attn, "output"),
-                (f"{prefix}.mlp.mlp_input", layer.mlp, "input:0"),
-                (f"{prefix}.mlp.mlp_neurons", layer.mlp.down_proj, "input:0"),
-                (f"{prefix}.mlp.mlp_output", layer.mlp, "output"),
+                (f"{prefix}.layer_mid", layer.get_submodule(names.mid_norm), "input:0"),
+                (f"{prefix}.self_attn.attention_input", attention, "input:hidden_states"),
+                (f"{prefix}.self_attn.attention_output", attention, "output"),
+                (f"{prefix}.mlp.mlp_input", mlp, "input:0"),
+                (f"{prefix}.mlp.mlp_neurons", mlp.get_submodule(names.down), "input:0"),
+                (f"{prefix}.mlp.mlp_output", mlp, "output"),
             ]
+            if names.act is not None:
+                points.append((f"{prefix}.mlp.mlp_activation", mlp.get_submodule(names.act),
+                               "output"))
         return points
 
     @staticmethod

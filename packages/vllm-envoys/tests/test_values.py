@@ -38,15 +38,22 @@ def test_tree_has_nnterp_names_for_every_layer(harness, family) -> None:
         expected |= {f"layers.{i}.self_attn.{name}" for name in ATTENTION_VALUES}
         expected |= {f"layers.{i}.mlp.{name}" for name in MLP_VALUES}
     assert set(standard.values()) == expected
-    assert standard.layers[1].self_attn.module is harness.model.model.layers[1].self_attn
-    assert standard.layers[2].mlp.mlp_neurons.module is harness.model.model.layers[2].mlp.down_proj
+    native = harness.model.get_submodule(standard.family.layers)
+    assert standard.layers[1].module is native[1]
+    assert standard.layers[2].mlp.mlp_neurons.module is native[2].mlp.get_submodule(
+        standard.layers[2].mlp.down_name)
 
 
 def test_support_names_every_reason_without_running_anything(harness) -> None:
     support = harness.standard.support()
     unavailable = {location: reason for location, reason in support.items() if reason}
-    assert set(unavailable) == {f"layers.{i}.mlp.mlp_activation" for i in range(3)}
-    assert all("gated" in reason and "mlp_neurons" in reason for reason in unavailable.values())
+    gated = "act" not in dict(harness.standard.layers[0].mlp.module.named_children())
+    if gated:
+        assert set(unavailable) == {f"layers.{i}.mlp.mlp_activation" for i in range(3)}
+        assert all("gated" in reason and "mlp_neurons" in reason
+                   for reason in unavailable.values())
+    else:
+        assert unavailable == {}
     decode = harness.standard.support(Step(first_position=11, tokens=1, prompt_length=11))
     assert "whole prompt" in decode["layers.0.self_attn.attention_probabilities"]
     assert decode["layers.0.self_attn.attention_queries"] is None
@@ -54,8 +61,9 @@ def test_support_names_every_reason_without_running_anything(harness) -> None:
 
 def test_unavailable_and_read_only_values_refuse_with_reasons(harness) -> None:
     layer = harness.standard.layers[0]
-    with pytest.raises(Unavailable, match=r"layers.0.mlp.mlp_activation is unavailable: .*gated"):
-        layer.mlp.mlp_activation.read(torch.zeros(2, 8))
+    if layer.mlp.mlp_activation.reason() is not None:
+        with pytest.raises(Unavailable, match=r"layers.0.mlp.mlp_activation is unavailable"):
+            layer.mlp.mlp_activation.read(torch.zeros(2, 8))
     query, key = torch.randn(3, 128), torch.randn(3, 64)
     raw = Call((query, key, torch.randn(3, 64)), {})
     pattern = layer.self_attn.attention_probabilities
@@ -80,6 +88,10 @@ def test_wrong_shape_write_is_refused_before_anything_changes(harness) -> None:
 
 def test_unedited_stream_write_rebuilds_the_stream_exactly(harness) -> None:
     output = harness.standard.layers[1].layer_output
+    if output.eproperty.site.indices == ():  # a stream-in/stream-out block has no halves
+        stream = torch.randn(4, 128)
+        assert torch.equal(output.write(stream, output.read(stream)), stream)
+        return
     hidden, residual = torch.randn(4, 128), torch.randn(4, 128)
     stream = output.read((hidden, residual))
     new_hidden, new_residual = output.write((hidden, residual), stream)

@@ -20,7 +20,16 @@ from vllm_envoys.errors import (
     ValueShapeError,
 )
 from vllm_envoys.family import Family
-from vllm_envoys.hosts import Attention, FusedLayer, GatedMlp, Host, Model
+from vllm_envoys.hosts import (
+    Attention,
+    FusedLayer,
+    GatedMlp,
+    Host,
+    Layer,
+    Model,
+    PlainMlp,
+    StreamLayer,
+)
 from vllm_envoys.sites import Arguments, Call, Output
 from vllm_envoys.standardize import Standardized, standardize
 
@@ -31,7 +40,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 __all__ = [
     "Arguments", "Attention", "Call", "Codec", "EProperty", "EnvoyError", "Family",
-    "FusedLayer", "GatedMlp", "Heads", "Host", "Model", "Output", "ReadOnly", "Rows",
-    "Standardized", "Step", "Stream", "Unavailable", "UnknownFamily", "UnknownValue", "Value",
+    "FusedLayer", "GatedMlp", "Heads", "Host", "Layer", "Model", "Output", "PlainMlp",
+    "ReadOnly", "Rows", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable", "UnknownFamily", "UnknownValue", "Value",
     "ValueShapeError", "__version__", "standardize", "unavailable",
 ]

@@ -31,7 +31,14 @@ class Codec:
 
 
 class Rows(Codec):
-    """A `[tokens, width]` tensor served as `[1, tokens, width]`."""
+    """A `[tokens, width]` tensor served as `[1, tokens, width]`.
+
+    `writable=False` serves a value that can be read where it sits but not edited there (see
+    `StreamLayer.layer_mid`).
+    """
+
+    def __init__(self, writable: bool = True) -> None:
+        self.writable = writable
 
     def decode(self, piece: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return piece.clone().unsqueeze(0)

@@ -113,36 +113,38 @@ class Attention(Host):
 class GatedMlp(Host):
     """A gated MLP: `gate_up_proj` → `act(gate) * up` → `down_proj`."""
 
+    down_name = "down_proj"
+
     mlp_input = EProperty(Arguments(("x", 0)), Rows(), layouts.RESIDUAL,
                           "the normed stream entering the MLP")
     mlp_neurons = EProperty(Arguments(("input_", 0)), Rows(), layouts.NEURONS,
                             "the input of the down projection: act(gate) * up",
-                            module="down_proj")
+                            module=lambda host: host.down_name)
     mlp_activation = unavailable(GATED, layouts.NEURONS, "the activation of a plain MLP")
     mlp_output = EProperty(Output(), Rows(), layouts.RESIDUAL, "the MLP's contribution")
 
 
-class FusedLayer(Host):
-    """A decoder block that passes the stream on as `(hidden, residual)` halves (most of vLLM).
+class PlainMlp(GatedMlp):
+    """A plain MLP: `up` → `act` → `down`; its activation is the down projection's input.
 
-    `forward(positions, hidden_states, residual) -> (hidden_states, residual)`; the stream is
-    their sum. `layer_mid` is the input of the post-attention fused add-norm.
+    The activation is read at the down projection, not at the activation module: vLLM may share
+    one activation module between all layers (`get_act_fn`), so a hook there fires for every
+    layer.
     """
+
+    mlp_activation = EProperty(Arguments(("input_", 0)), Rows(), layouts.NEURONS,
+                               "the activation's output (the down projection's input)",
+                               module=lambda host: host.down_name)
+
+
+class Layer(Host):
+    """A decoder block with an attention and an MLP child; subclasses declare the stream values."""
 
     Attention: type[Attention] = Attention
     Mlp: type[Host] = GatedMlp
     attention_name = "self_attn"
     mlp_name = "mlp"
     mid_norm_name = "post_attention_layernorm"
-
-    layer_input = EProperty(
-        Arguments(("hidden_states", 1), ("residual", 2)), Stream(), layouts.RESIDUAL,
-        "the residual stream entering the block")
-    layer_mid = EProperty(
-        Arguments(("x", 0), ("residual", 1)), Stream(), layouts.RESIDUAL,
-        "the residual stream after the attention add", module=lambda host: host.mid_norm_name)
-    layer_output = EProperty(
-        Output(0, 1), Stream(), layouts.RESIDUAL, "the residual stream leaving the block")
 
     def __init__(self, module: nn.Module, location: str) -> None:
         super().__init__(module, location)
@@ -153,6 +155,42 @@ class FusedLayer(Host):
     def children(self) -> Iterator[Host]:
         yield self.self_attn
         yield self.mlp
+
+
+class FusedLayer(Layer):
+    """A decoder block that passes the stream on as `(hidden, residual)` halves (most of vLLM).
+
+    `forward(positions, hidden_states, residual) -> (hidden_states, residual)`; the stream is
+    their sum. `layer_mid` is the input of the post-attention fused add-norm, which carries the
+    residual path too, so editing it edits the stream.
+    """
+
+    layer_input = EProperty(
+        Arguments(("hidden_states", 1), ("residual", 2)), Stream(), layouts.RESIDUAL,
+        "the residual stream entering the block")
+    layer_mid = EProperty(
+        Arguments(("x", 0), ("residual", 1)), Stream(), layouts.RESIDUAL,
+        "the residual stream after the attention add", module=lambda host: host.mid_norm_name)
+    layer_output = EProperty(
+        Output(0, 1), Stream(), layouts.RESIDUAL, "the residual stream leaving the block")
+
+
+class StreamLayer(Layer):
+    """A block that takes and returns the whole stream (GPT-2): `forward(hidden_states)`.
+
+    `layer_mid` is read at the second norm's input; it is read-only because such blocks keep the
+    stream after the attention add in a local variable, so an edit at the norm would reach the
+    MLP but not the residual path. Edit `attention_output` instead.
+    """
+
+    layer_input = EProperty(Arguments(("hidden_states", 0)), Rows(), layouts.RESIDUAL,
+                            "the residual stream entering the block")
+    layer_mid = EProperty(
+        Arguments(("input", 0)), Rows(writable=False), layouts.RESIDUAL,
+        "the residual stream after the attention add (read-only here: edit attention_output)",
+        module=lambda host: host.mid_norm_name)
+    layer_output = EProperty(Output(), Rows(), layouts.RESIDUAL,
+                             "the residual stream leaving the block")
 
 
 class Model(Host):
