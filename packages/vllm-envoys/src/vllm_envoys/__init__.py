@@ -41,6 +41,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 __all__ = [
     "Arguments", "Attention", "Call", "Codec", "EProperty", "EnvoyError", "Family",
     "FusedLayer", "GatedMlp", "Heads", "Host", "Layer", "Model", "Output", "PlainMlp",
-    "ReadOnly", "Rows", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable", "UnknownFamily", "UnknownValue", "Value",
-    "ValueShapeError", "__version__", "standardize", "unavailable",
+    "ReadOnly", "Rows", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable",
+    "UnknownFamily", "UnknownValue", "Value", "ValueShapeError", "__version__", "standardize",
+    "unavailable",
 ]
