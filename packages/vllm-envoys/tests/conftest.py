@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -45,6 +47,8 @@ class HFNames:
     down: str = "down_proj"
     mid_norm: str = "post_attention_layernorm"
     act: str | None = None  # plain MLPs: the activation module
+    attention_out: str | None = None  # sandwich norms: the norm after attention
+    mlp_out: str | None = None  # sandwich norms: the norm after the MLP
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,15 @@ def gpt2_config() -> GPT2Config:
                       n_positions=256, activation_function="gelu_new", tie_word_embeddings=False)
 
 
+def gemma2_config() -> Gemma2Config:
+    # A 4-token sliding window on alternate layers, so an 11-token prompt exercises it; vLLM's
+    # Gemma 2 always ties the unembedding to the embeddings.
+    return Gemma2Config(**{**SHAPE, "tie_word_embeddings": True}, sliding_window=4,
+                        query_pre_attn_scalar=32,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                        hidden_activation="gelu_pytorch_tanh")
+
+
 CASES = [
     FamilyCase("llama", llama_shaped(LlamaConfig), LlamaForCausalLM),
     FamilyCase("qwen2", llama_shaped(Qwen2Config), Qwen2ForCausalLM),
@@ -73,6 +86,10 @@ CASES = [
     FamilyCase("gpt2", gpt2_config, GPT2LMHeadModel,
                HFNames(embed="transformer.wte", layers="transformer.h", attention="attn",
                        down="c_proj", mid_norm="ln_2", act="act")),
+    FamilyCase("gemma2", gemma2_config, Gemma2ForCausalLM,
+               HFNames(mid_norm="pre_feedforward_layernorm",
+                       attention_out="post_attention_layernorm",
+                       mlp_out="post_feedforward_layernorm")),
 ]
 
 

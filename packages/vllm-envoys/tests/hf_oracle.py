@@ -38,7 +38,8 @@ def _capture_attention(module, query, key, value, attention_mask, scaling, dropo
         else:
             value = tensor
     eager = _EAGER[type(module).__module__]
-    output, weights = eager(module, query, key, value, attention_mask, scaling, dropout, **kw)
+    output, weights = eager(module, query, key, value, attention_mask, scaling=scaling,
+                            dropout=dropout, **kw)
     location = f"{layer}.attention_head_outputs"
     if location in edits:
         output = edits[location](output)
@@ -86,10 +87,12 @@ class HFOracle:
                 (f"{prefix}.layer_output", layer, "output"),
                 (f"{prefix}.layer_mid", layer.get_submodule(names.mid_norm), "input:0"),
                 (f"{prefix}.self_attn.attention_input", attention, "input:hidden_states"),
-                (f"{prefix}.self_attn.attention_output", attention, "output"),
+                (f"{prefix}.self_attn.attention_output",
+                 layer.get_submodule(names.attention_out or names.attention), "output"),
                 (f"{prefix}.mlp.mlp_input", mlp, "input:0"),
                 (f"{prefix}.mlp.mlp_neurons", mlp.get_submodule(names.down), "input:0"),
-                (f"{prefix}.mlp.mlp_output", mlp, "output"),
+                (f"{prefix}.mlp.mlp_output", layer.get_submodule(names.mlp_out or names.mlp),
+                 "output"),
             ]
             if names.act is not None:
                 points.append((f"{prefix}.mlp.mlp_activation", mlp.get_submodule(names.act),
@@ -122,11 +125,19 @@ class HFOracle:
         handles = []
         for location, module, kind in self._hook_points():
             if kind == "output":
-                def hook(module, args, output, location=location):
+                # The standard token_embeddings come before any embedding scale; transformers
+                # applies Gemma's inside its embedding module, so undo it for reads and edits.
+                embeds = location == "token_embeddings"
+                scale = getattr(module, "embed_scale", None) if embeds else None
+
+                def hook(module, args, output, location=location, scale=scale):
                     tensor = _first(output)
+                    if scale is not None:
+                        tensor = tensor / scale.to(tensor.dtype)
                     if location in edits:
                         tensor = edits[location](tensor)
-                        output = (tensor, *output[1:]) if isinstance(output, tuple) else tensor
+                        edited = tensor if scale is None else tensor * scale.to(tensor.dtype)
+                        output = (edited, *output[1:]) if isinstance(output, tuple) else edited
                     _RUN["values"][location] = tensor.detach().clone()
                     return output
                 handles.append(module.register_forward_hook(hook))

@@ -41,12 +41,14 @@ class Host:
     """A standard node over one vLLM module: its values, children and location.
 
     `location` is the node's standard name (`""` for the model, `layers.3`,
-    `layers.3.self_attn`); `module` the vLLM module it stands for.
+    `layers.3.self_attn`); `module` the vLLM module it stands for; `parent` the host above
+    (a layer, for its attention and MLP), so a value can sit in a sibling module (`../name`).
     """
 
-    def __init__(self, module: nn.Module, location: str) -> None:
+    def __init__(self, module: nn.Module, location: str, parent: Host | None = None) -> None:
         self.module = module
         self.location = location
+        self.parent = parent
 
     @classmethod
     def eproperties(cls) -> dict[str, EProperty]:
@@ -63,7 +65,15 @@ class Host:
         return {name: Value(self, eprop) for name, eprop in self.eproperties().items()}
 
     def submodule(self, path: str) -> nn.Module:
-        """The module at `path` below this host's module (`""` is the module itself)."""
+        """The module at `path` below this host's module (`""` is the module itself).
+
+        A path starting with `../` starts at the parent host's module instead: sandwich-norm
+        families keep attention's contribution in the layer's post-attention norm.
+        """
+        if path.startswith("../"):
+            if self.parent is None:
+                raise ValueError(f"{self.location or 'model'} has no parent for {path!r}")
+            return self.parent.submodule(path[3:])
         return self.module.get_submodule(path) if path else self.module
 
     def children(self) -> Iterator[Host]:
@@ -146,11 +156,11 @@ class Layer(Host):
     mlp_name = "mlp"
     mid_norm_name = "post_attention_layernorm"
 
-    def __init__(self, module: nn.Module, location: str) -> None:
-        super().__init__(module, location)
+    def __init__(self, module: nn.Module, location: str, parent: Host | None = None) -> None:
+        super().__init__(module, location, parent)
         self.self_attn = self.Attention(module.get_submodule(self.attention_name),
-                                        f"{location}.self_attn")
-        self.mlp = self.Mlp(module.get_submodule(self.mlp_name), f"{location}.mlp")
+                                        f"{location}.self_attn", parent=self)
+        self.mlp = self.Mlp(module.get_submodule(self.mlp_name), f"{location}.mlp", parent=self)
 
     def children(self) -> Iterator[Host]:
         yield self.self_attn
