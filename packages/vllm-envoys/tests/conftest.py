@@ -18,6 +18,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -61,8 +63,8 @@ class FamilyCase:
     hf: HFNames = HFNames()
 
 
-def llama_shaped(config: type) -> object:
-    return lambda: config(**SHAPE)
+def llama_shaped(config: type, **overrides: object) -> object:
+    return lambda: config(**{**SHAPE, **overrides})
 
 
 def gpt2_config() -> GPT2Config:
@@ -83,6 +85,7 @@ CASES = [
     FamilyCase("llama", llama_shaped(LlamaConfig), LlamaForCausalLM),
     FamilyCase("qwen2", llama_shaped(Qwen2Config), Qwen2ForCausalLM),
     FamilyCase("qwen3", llama_shaped(Qwen3Config), Qwen3ForCausalLM),
+    FamilyCase("phi3", llama_shaped(Phi3Config, pad_token_id=0), Phi3ForCausalLM),
     FamilyCase("gpt2", gpt2_config, GPT2LMHeadModel,
                HFNames(embed="transformer.wte", layers="transformer.h", attention="attn",
                        down="c_proj", mid_norm="ln_2", act="act")),
