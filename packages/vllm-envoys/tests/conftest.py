@@ -18,6 +18,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -53,14 +55,28 @@ class HFNames:
     mlp_out: str | None = None  # sandwich norms: the norm after the MLP
 
 
+GATED_ONLY = frozenset({"mlp_activation"})
+BACKEND_UNAVAILABLE = frozenset({
+    "mlp_activation", "attention_queries", "attention_keys", "attention_values",
+    "attention_head_outputs", "attention_scores", "attention_probabilities",
+})
+
+
 @dataclass(frozen=True)
 class FamilyCase:
-    """A family under test: how to build its tiny random model, and transformers' names."""
+    """A family under test: how to build its tiny random model, and transformers' names.
+
+    `unavailable` lists the values the family must report unavailable (by name, every layer);
+    `engine` holds extra engine arguments (e.g. vLLM's Transformers backend).
+    """
 
     name: str
     config: object
     model: type
     hf: HFNames = HFNames()
+    unavailable: frozenset[str] = GATED_ONLY
+    engine: tuple[tuple[str, object], ...] = ()
+    family: str | None = None  # the family expected, when not the case's name
 
 
 def llama_shaped(config: type, **overrides: object) -> object:
@@ -88,27 +104,38 @@ CASES = [
     FamilyCase("phi3", llama_shaped(Phi3Config, pad_token_id=0), Phi3ForCausalLM),
     FamilyCase("gpt2", gpt2_config, GPT2LMHeadModel,
                HFNames(embed="transformer.wte", layers="transformer.h", attention="attn",
-                       down="c_proj", mid_norm="ln_2", act="act")),
+                       down="c_proj", mid_norm="ln_2", act="act"), unavailable=frozenset()),
     FamilyCase("gemma2", gemma2_config, Gemma2ForCausalLM,
                HFNames(mid_norm="pre_feedforward_layernorm",
                        attention_out="post_attention_layernorm",
                        mlp_out="post_feedforward_layernorm")),
+    # vLLM 0.32 runs OLMo 2 through its Transformers backend.
+    FamilyCase("olmo2", llama_shaped(Olmo2Config, pad_token_id=0), Olmo2ForCausalLM,
+               HFNames(mid_norm="mlp", attention_out="post_attention_layernorm",
+                       mlp_out="post_feedforward_layernorm"), unavailable=BACKEND_UNAVAILABLE),
+    # Llama forced onto the Transformers backend: the generic family, with no family module.
+    FamilyCase("llama-on-transformers-backend", llama_shaped(LlamaConfig), LlamaForCausalLM,
+               unavailable=BACKEND_UNAVAILABLE, engine=(("model_impl", "transformers"),),
+               family="TransformersBackend"),
 ]
 
 
 @dataclass
 class FamilyRun:
-    """One family's saved model, engine harness and transformers oracle."""
+    """One family's saved model, engine harness and transformers' recorded answers."""
 
     case: FamilyCase
     model_dir: str
     harness: object
-    oracle: object
+    oracle: object  # hf_oracle.OracleRecord
+
+
+EDITED_LAYER = 1
 
 
 @pytest.fixture(scope="session", params=CASES, ids=lambda case: case.name)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    from hf_oracle import HFOracle
+    from hf_oracle import HFOracle, record
     from vllm_harness import EnvoyHarness, shutdown, start_engine
 
     case: FamilyCase = request.param
@@ -120,9 +147,11 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                 parameter.normal_(0.0, 0.08)
     path = tmp_path_factory.mktemp(case.name)
     model.save_pretrained(path, safe_serialization=True)
-    harness = EnvoyHarness(start_engine(str(path)))
-    oracle = HFOracle(case.model.from_pretrained(path, dtype=torch.float32), case.hf)
-    yield FamilyRun(case, str(path), harness, oracle)
+    # transformers first: vLLM's Transformers backend patches transformers' classes in place.
+    reference = case.model.from_pretrained(path, dtype=torch.float32)
+    answers = record(HFOracle(reference, case.hf), PROMPT, GENERATED, EDITED_LAYER)
+    harness = EnvoyHarness(start_engine(str(path), **dict(case.engine)))
+    yield FamilyRun(case, str(path), harness, answers)
     shutdown(harness.llm)
 
 

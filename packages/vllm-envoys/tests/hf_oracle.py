@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -179,3 +180,44 @@ class HFOracle:
             return dict(_RUN["values"]), logits
         finally:
             _RUN.clear()
+
+
+def add_noise(value: torch.Tensor) -> torch.Tensor:
+    """The edit both engines apply: seeded noise of the value's own shape.
+
+    Random per element, not one vector for all rows: adding the same vector to every key shifts
+    each query's scores by a constant, which the softmax cancels exactly.
+    """
+    generator = torch.Generator().manual_seed(1234)
+    return value + torch.randn(value.shape, generator=generator).to(value.dtype)
+
+
+@dataclass
+class OracleRecord:
+    """What transformers says, computed before any engine starts in the process.
+
+    vLLM's Transformers backend patches transformers' model classes in place when it loads a
+    model, so transformers is run first and its answers are kept.
+    """
+
+    generated: list[int]
+    values: dict[str, torch.Tensor]
+    edited_logits: dict[str, torch.Tensor]
+
+
+def record(oracle: HFOracle, prompt: list[int], generated: int, layer: int) -> OracleRecord:
+    """Greedy generation, every value over prompt + generated[:-1], and the last-position logits
+    of the prompt under `add_noise` at each value of `layer` (and the token embeddings)."""
+    sequence = list(prompt)
+    for _ in range(generated):
+        _, logits = oracle.run(sequence)
+        sequence.append(int(logits[-1].argmax()))
+    new_tokens = sequence[len(prompt):]
+    values, _ = oracle.run(prompt + new_tokens[:-1])
+    editable = ["token_embeddings"] + [
+        location for location in values if location.startswith(f"layers.{layer}.")
+        and not location.endswith("attention_probabilities")
+    ]
+    edited = {location: oracle.run(prompt, edits={location: add_noise})[1][-1]
+              for location in editable}
+    return OracleRecord(new_tokens, values, edited)

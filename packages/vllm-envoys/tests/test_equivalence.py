@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GENERATED, PROMPT
+from conftest import EDITED_LAYER, GENERATED, PROMPT
+from hf_oracle import add_noise
 
 TOLERANCE = 1e-4  # relative to the reference's largest magnitude, fp32
 
@@ -22,12 +23,11 @@ TOKEN_AXIS = {"attention_queries": 2, "attention_keys": 2, "attention_values": 2
 
 @pytest.fixture(scope="module")
 def both_runs(harness, oracle):
-    """vLLM's values over the prompt and each decode step, and HF's over the same sequence."""
+    """vLLM's values over the prompt and each decode step, and transformers' over the same
+    sequence (recorded before the engine started)."""
     reads = [value for value in harness.standard.values().values() if value.reason() is None]
     steps, generated, _ = harness.run(PROMPT, GENERATED, reads=reads)
-    sequence = PROMPT + generated[:-1]
-    expected, _ = oracle.run(sequence)
-    return steps, expected, generated
+    return steps, oracle.values, generated
 
 
 def vllm_value(steps: dict, location: str) -> torch.Tensor:
@@ -35,13 +35,9 @@ def vllm_value(steps: dict, location: str) -> torch.Tensor:
     return torch.cat(steps[location], dim=TOKEN_AXIS.get(name, 1))
 
 
-def test_generation_matches_transformers(harness, oracle, both_runs) -> None:
+def test_generation_matches_transformers(oracle, both_runs) -> None:
     _, _, generated = both_runs
-    sequence = list(PROMPT)
-    for _ in range(GENERATED):
-        _, logits = oracle.run(sequence)
-        sequence.append(int(logits[-1].argmax()))
-    assert generated == sequence[len(PROMPT):]
+    assert generated == oracle.generated
 
 
 def test_every_value_is_served_on_every_step(harness, both_runs) -> None:
@@ -67,7 +63,7 @@ def test_every_value_equals_transformers_on_prompt_and_generated_positions(harne
             continue
         assert_matches(vllm_value(steps, location), expected[location], location)
         compared += 1
-    assert compared >= 1 + 12 * len(harness.standard.layers)
+    assert compared >= 1 + 7 * len(harness.standard.layers)
 
 
 def test_pattern_equals_transformers_on_the_prompt(harness, both_runs) -> None:
@@ -75,6 +71,9 @@ def test_pattern_equals_transformers_on_the_prompt(harness, both_runs) -> None:
     tokens = len(PROMPT)
     for i in range(len(harness.standard.layers)):
         location = f"layers.{i}.self_attn.attention_probabilities"
+        if harness.standard.value(location).reason() is not None:
+            assert location not in steps  # unavailable for this family; test_values checks why
+            continue
         (probabilities,) = steps[location]
         reference = expected[location][:, :, :tokens, :tokens]
         assert_matches(probabilities, reference, location)
@@ -97,20 +96,15 @@ def test_contribution_identities(harness, both_runs) -> None:
 
 def test_every_writable_value_edit_moves_logits_exactly_as_in_transformers(harness,
                                                                            oracle) -> None:
-    def add_noise(value: torch.Tensor) -> torch.Tensor:
-        # Random per element, not one vector for all rows: adding the same vector to every key
-        # shifts each query's scores by a constant, which the softmax cancels exactly.
-        generator = torch.Generator().manual_seed(1234)
-        return value + torch.randn(value.shape, generator=generator).to(value.dtype)
-
     _, _, plain_logits = harness.run(PROMPT, 1)
     writable = [location for location, value in harness.standard.values().items()
                 if value.reason() is None and value.eproperty.writable
-                and (location == "token_embeddings" or location.startswith("layers.1."))]
-    assert len(writable) >= 12
+                and (location == "token_embeddings"
+                     or location.startswith(f"layers.{EDITED_LAYER}."))]
+    assert len(writable) >= 8
     for location in writable:
+        assert location in oracle.edited_logits, f"the oracle cannot edit {location}"
         _, _, vllm_logits = harness.run(PROMPT, 1, edits={location: add_noise})
-        _, hf_logits = oracle.run(PROMPT, edits={location: add_noise})
         assert not torch.allclose(vllm_logits[-1], plain_logits[-1], atol=1e-3), (
             f"{location}: the edit had no effect")
-        assert_matches(vllm_logits[-1], hf_logits[-1], location)
+        assert_matches(vllm_logits[-1], oracle.edited_logits[location], location)

@@ -24,12 +24,12 @@ from vllm_envoys import Call, Standardized, Step, Value, standardize
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
 
-def start_engine(model_dir: str) -> LLM:
+def start_engine(model_dir: str, **engine: object) -> LLM:
     """An fp32, eager, tokenizer-less engine small enough for CI, prefix caching off."""
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
         gpu_memory_utilization=0.15, max_model_len=128, max_num_seqs=4,
-        enable_prefix_caching=False, seed=0,
+        enable_prefix_caching=False, seed=0, **engine,
     )
 
 

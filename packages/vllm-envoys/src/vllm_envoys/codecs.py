@@ -33,21 +33,23 @@ class Codec:
 class Rows(Codec):
     """A `[tokens, width]` tensor served as `[1, tokens, width]`.
 
-    `writable=False` serves a value that can be read where it sits but not edited there (see
-    `StreamLayer.layer_mid`).
+    `batched=True` is for modules that already see `[1, tokens, width]` (vLLM's Transformers
+    backend runs transformers' modules with a batch axis of 1). `writable=False` serves a value
+    that can be read where it sits but not edited there (see `StreamLayer.layer_mid`).
     """
 
-    def __init__(self, writable: bool = True) -> None:
+    def __init__(self, writable: bool = True, batched: bool = False) -> None:
         self.writable = writable
+        self.batched = batched
 
     def decode(self, piece: torch.Tensor, module: nn.Module) -> torch.Tensor:
-        return piece.clone().unsqueeze(0)
+        return piece.clone() if self.batched else piece.clone().unsqueeze(0)
 
     def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor) -> torch.Tensor:
-        return value[0].to(piece.dtype)
+        return (value if self.batched else value[0]).to(piece.dtype)
 
     def shape(self, piece: torch.Tensor, module: nn.Module) -> tuple[int, ...]:
-        return (1, *piece.shape)
+        return tuple(piece.shape) if self.batched else (1, *piece.shape)
 
 
 class Stream(Codec):

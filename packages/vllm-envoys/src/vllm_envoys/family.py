@@ -16,6 +16,9 @@ class Family:
     """The defaults, which are vLLM's Llama layout; subclass and override what differs."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    # "vllm" for vLLM's own model code; "transformers" for models vLLM runs through its
+    # Transformers backend (transformers' modules, vLLM's attention and parallel layers).
+    backend: ClassVar[str] = "vllm"
     embed_tokens: ClassVar[str] = "model.embed_tokens"
     layers: ClassVar[str] = "model.layers"
     norm: ClassVar[str] = "model.norm"

@@ -114,3 +114,19 @@ class Output(Site):
         for index, new in zip(self.indices, pieces, strict=True):
             items[index] = new
         return type(raw)(items) if not hasattr(raw, "_fields") else type(raw)(*items)
+
+
+class FirstOutput(Site):
+    """The first tensor of a module's output, whether it returns a tensor or a tuple.
+
+    transformers' layers and attention modules return a tuple in some versions and a tensor in
+    others; the value is the first tensor either way, and a write keeps the rest.
+    """
+
+    side = "output"
+
+    def get(self, raw: Any, module: nn.Module) -> Any:
+        return raw[0] if isinstance(raw, tuple) else raw
+
+    def put(self, raw: Any, module: nn.Module, piece: Any) -> Any:
+        return (piece, *raw[1:]) if isinstance(raw, tuple) else piece

@@ -62,8 +62,19 @@ class Standardized:
                 f"{len(self.values())} values)")
 
 
+# Where vLLM 0.32 keeps its Transformers backend; models from there run transformers' modules.
+TRANSFORMERS_BACKEND_MODULE = "vllm.model_executor.models.transformers"
+
+
+def backend_of(model: nn.Module) -> str:
+    """`"transformers"` for a model on vLLM's Transformers backend, else `"vllm"`."""
+    return "transformers" if type(model).__module__.startswith(TRANSFORMERS_BACKEND_MODULE) else (
+        "vllm")
+
+
 def standardize(model: nn.Module, hf_config: Any) -> Standardized:
-    """The standard tree over `model` (a vLLM model), chosen by `hf_config.model_type`."""
+    """The standard tree over `model` (a vLLM model), chosen by `hf_config.model_type` and by
+    whether vLLM runs its own model code or its Transformers backend."""
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else (
         hf_config)
-    return Standardized(model, lookup(text_config.model_type))
+    return Standardized(model, lookup(text_config.model_type, backend_of(model)))

@@ -1,0 +1,115 @@
+"""Reading and writing values on stand-in modules (no engine): layouts, refused writes,
+availability, and streams rebuilt exactly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from vllm_envoys import Call, FusedLayer, ReadOnly, Step, Unavailable, ValueShapeError
+from vllm_envoys.families.gpt2 import Gpt2Layer
+
+
+class StandInAttention(nn.Module):
+    """The attributes of vLLM's `Attention` layer that values read (4 heads of 32, 2 kv heads)."""
+
+    head_size = 32
+    num_heads = 4
+    num_kv_heads = 2
+    sliding_window = None
+    impl = SimpleNamespace(scale=32**-0.5, logits_soft_cap=None)
+
+    def forward(self, query, key, value):
+        return query
+
+
+def stand_in_layer(mlp_children: dict[str, nn.Module], attention_name: str = "self_attn",
+                   mid: str = "post_attention_layernorm") -> nn.Module:
+    attention = nn.Module()
+    attention.attn = StandInAttention()
+    mlp = nn.Module()
+    for name, child in mlp_children.items():
+        setattr(mlp, name, child)
+    layer = nn.Module()
+    setattr(layer, attention_name, attention)
+    layer.mlp = mlp
+    setattr(layer, mid, nn.Identity())
+    return layer
+
+
+@pytest.fixture
+def fused() -> FusedLayer:
+    return FusedLayer(stand_in_layer({"down_proj": nn.Identity()}), "layers.0")
+
+
+def qkv(tokens: int) -> Call:
+    return Call((torch.randn(tokens, 128), torch.randn(tokens, 64), torch.randn(tokens, 64)), {})
+
+
+def test_heads_are_split_by_the_modules_head_size(fused: FusedLayer) -> None:
+    raw = qkv(3)
+    queries = fused.self_attn.attention_queries.read(raw)
+    keys = fused.self_attn.attention_keys.read(raw)
+    assert queries.shape == (1, 4, 3, 32) and keys.shape == (1, 2, 3, 32)
+    assert torch.equal(queries[0, 1, 2], raw.args[0][2, 32:64])  # head 1, token 2
+    head_outputs = fused.self_attn.attention_head_outputs.read(torch.randn(3, 128))
+    assert head_outputs.shape == (1, 3, 4, 32)
+
+
+def test_reads_are_private_copies(fused: FusedLayer) -> None:
+    raw = qkv(3)
+    queries = fused.self_attn.attention_queries.read(raw)
+    raw.args[0].zero_()  # what an in-place kernel does after the read
+    assert torch.count_nonzero(queries) > 0
+
+
+def test_wrong_shape_write_is_refused_and_a_read_written_back_is_unchanged(fused) -> None:
+    raw = qkv(3)
+    queries = fused.self_attn.attention_queries
+    value = queries.read(raw)
+    with pytest.raises(ValueShapeError, match=r"expected a tensor of shape \(1, 4, 3, 32\)"):
+        queries.write(raw, value[:, :, :2])
+    assert torch.equal(queries.write(raw, value).args[0], raw.args[0])
+
+
+def test_pattern_is_whole_prompt_only_and_read_only(fused: FusedLayer) -> None:
+    raw = qkv(3)
+    pattern = fused.self_attn.attention_probabilities
+    with pytest.raises(Unavailable, match="decode steps"):
+        pattern.read(raw, Step(first_position=5, tokens=1, prompt_length=5))
+    probabilities = pattern.read(raw, Step(first_position=0, tokens=3, prompt_length=3))
+    assert probabilities.shape == (1, 4, 3, 3)
+    assert torch.allclose(probabilities.sum(-1), torch.ones(1, 4, 3))
+    assert torch.count_nonzero(torch.triu(probabilities[0], diagonal=1)) == 0  # causal
+    with pytest.raises(ReadOnly, match="derived and read-only"):
+        pattern.write(raw, probabilities, Step(0, 3, 3))
+
+
+def test_gated_mlp_has_no_activation_with_a_reason(fused: FusedLayer) -> None:
+    with pytest.raises(Unavailable, match=r"layers.0.mlp.mlp_activation is unavailable: .*gated"):
+        fused.mlp.mlp_activation.read(torch.zeros(2, 8))
+
+
+def test_fused_stream_write_rebuilds_the_stream_exactly(fused: FusedLayer) -> None:
+    output = fused.layer_output
+    hidden, residual = torch.randn(4, 128), torch.randn(4, 128)
+    stream = output.read((hidden, residual))
+    assert torch.equal(stream[0], hidden + residual)
+    new_hidden, new_residual = output.write((hidden, residual), stream * 2)
+    assert torch.equal(new_hidden + new_residual, stream[0] * 2)
+    assert torch.count_nonzero(new_residual) == 0
+    first = fused.layer_input  # before the first block the residual half is None
+    raw = Call((torch.arange(4), hidden, None), {})
+    assert torch.equal(first.read(raw)[0], hidden)
+    assert first.write(raw, first.read(raw) + 1).args[2] is None
+
+
+def test_stream_block_mid_is_read_only_and_says_what_to_edit() -> None:
+    layer = Gpt2Layer(stand_in_layer({"c_proj": nn.Identity()}, "attn", "ln_2"), "layers.0")
+    stream = torch.randn(4, 128)
+    assert torch.equal(layer.layer_output.write(stream, layer.layer_output.read(stream)), stream)
+    with pytest.raises(ReadOnly, match="read-only"):
+        layer.layer_mid.write(Call((stream,), {}), stream.unsqueeze(0))
+    assert "attention_output" in layer.eproperties()["layer_mid"].description
