@@ -18,12 +18,16 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -75,6 +79,7 @@ class FamilyCase:
     model: type
     hf: HFNames = HFNames()
     unavailable: frozenset[str] = GATED_ONLY
+    moe_layers: frozenset[int] = frozenset()  # layers whose MLP is a mixture of experts
     engine: tuple[tuple[str, object], ...] = ()
     family: str | None = None  # the family expected, when not the case's name
 
@@ -109,6 +114,15 @@ CASES = [
                HFNames(mid_norm="pre_feedforward_layernorm",
                        attention_out="post_attention_layernorm",
                        mlp_out="post_feedforward_layernorm")),
+    FamilyCase("mixtral", llama_shaped(MixtralConfig, num_local_experts=4,
+                                       num_experts_per_tok=2), MixtralForCausalLM,
+               moe_layers=frozenset({0, 1, 2})),
+    # Layer 0 dense, layers 1 and 2 routed (with a shared expert): hosts chosen per layer.
+    FamilyCase("qwen2_moe", llama_shaped(Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=128,
+                                         shared_expert_intermediate_size=128,
+                                         norm_topk_prob=False, mlp_only_layers=[0]),
+               Qwen2MoeForCausalLM, moe_layers=frozenset({1, 2})),
     # vLLM 0.32 runs OLMo 2 through its Transformers backend.
     FamilyCase("olmo2", llama_shaped(Olmo2Config, pad_token_id=0), Olmo2ForCausalLM,
                HFNames(mid_norm="mlp", attention_out="post_attention_layernorm",

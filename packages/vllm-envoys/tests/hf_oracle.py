@@ -91,10 +91,15 @@ class HFOracle:
                 (f"{prefix}.self_attn.attention_output",
                  layer.get_submodule(names.attention_out or names.attention), "output"),
                 (f"{prefix}.mlp.mlp_input", mlp, "input:0"),
-                (f"{prefix}.mlp.mlp_neurons", mlp.get_submodule(names.down), "input:0"),
                 (f"{prefix}.mlp.mlp_output", layer.get_submodule(names.mlp_out or names.mlp),
                  "output"),
             ]
+            if hasattr(mlp, names.down):
+                points.append((f"{prefix}.mlp.mlp_neurons", mlp.get_submodule(names.down),
+                               "input:0"))
+            if hasattr(mlp, "experts"):  # transformers' routers return (logits, weights, indices)
+                points += [(f"{prefix}.mlp.{name}", mlp.gate, f"output:{i}") for i, name in
+                           enumerate(("router_logits", "expert_weights", "expert_indices"))]
             if names.act is not None:
                 points.append((f"{prefix}.mlp.mlp_activation", mlp.get_submodule(names.act),
                                "output"))
@@ -125,7 +130,13 @@ class HFOracle:
         edits = self._through_attention_output(edits)
         handles = []
         for location, module, kind in self._hook_points():
-            if kind == "output":
+            if kind.startswith("output:"):  # one item of a tuple, rows without a batch axis
+                index = int(kind.split(":")[1])
+
+                def item_hook(module, args, output, location=location, index=index):
+                    _RUN["values"][location] = output[index].detach().clone().unsqueeze(0)
+                handles.append(module.register_forward_hook(item_hook))
+            elif kind == "output":
                 # The standard token_embeddings come before any embedding scale; transformers
                 # applies Gemma's inside its embedding module, so undo it for reads and edits.
                 embeds = location == "token_embeddings"
@@ -214,9 +225,12 @@ def record(oracle: HFOracle, prompt: list[int], generated: int, layer: int) -> O
         sequence.append(int(logits[-1].argmax()))
     new_tokens = sequence[len(prompt):]
     values, _ = oracle.run(prompt + new_tokens[:-1])
+    # Not editable in transformers: the pattern (derived) and the routing, which transformers'
+    # router decides inside the module whose output carries the logits.
+    derived = ("attention_probabilities", "router_logits", "expert_weights", "expert_indices")
     editable = ["token_embeddings"] + [
         location for location in values if location.startswith(f"layers.{layer}.")
-        and not location.endswith("attention_probabilities")
+        and not location.endswith(derived)
     ]
     edited = {location: oracle.run(prompt, edits={location: add_noise})[1][-1]
               for location in editable}

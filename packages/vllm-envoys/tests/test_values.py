@@ -16,6 +16,8 @@ ATTENTION_VALUES = {
     "attention_head_outputs", "attention_scores", "attention_probabilities", "attention_output",
 }
 MLP_VALUES = {"mlp_input", "mlp_neurons", "mlp_activation", "mlp_output"}
+ROUTING_VALUES = {"router_logits", "expert_weights", "expert_indices"}
+ROUTED_UNAVAILABLE = {"mlp_neurons", "mlp_activation"}
 
 
 def test_tree_has_nnterp_names_for_every_layer(harness, family) -> None:
@@ -31,21 +33,31 @@ def test_tree_has_nnterp_names_for_every_layer(harness, family) -> None:
         expected |= {f"layers.{i}.{name}" for name in LAYER_VALUES}
         expected |= {f"layers.{i}.self_attn.{name}" for name in ATTENTION_VALUES}
         expected |= {f"layers.{i}.mlp.{name}" for name in MLP_VALUES}
+        if i in family.case.moe_layers:
+            expected |= {f"layers.{i}.mlp.{name}" for name in ROUTING_VALUES}
     assert set(standard.values()) == expected
     native = harness.model.get_submodule(standard.family.layers)
     assert standard.layers[1].module is native[1]
-    assert standard.layers[2].mlp.mlp_neurons.module is native[2].mlp.get_submodule(
-        standard.layers[2].mlp.down_name)
+    if 2 not in family.case.moe_layers:
+        assert standard.layers[2].mlp.mlp_neurons.module is native[2].get_submodule(
+            standard.layers[2].mlp_name).get_submodule(standard.layers[2].mlp.down_name)
 
 
 def test_support_names_every_reason_without_running_anything(harness, family) -> None:
     support = harness.standard.support()
     unavailable = {location for location, reason in support.items() if reason}
-    assert unavailable == {location for location in support
-                           if location.rsplit(".", 1)[-1] in family.case.unavailable}
+
+    def expected_unavailable(location: str) -> bool:
+        name = location.rsplit(".", 1)[-1]
+        layer = int(location.split(".")[1]) if location.startswith("layers.") else None
+        routed = layer in family.case.moe_layers and name in ROUTED_UNAVAILABLE
+        return name in family.case.unavailable or routed
+
+    assert unavailable == {location for location in support if expected_unavailable(location)}
     for location in unavailable:
         reason = support[location]
-        assert "mlp_neurons" in reason or "Transformers backend" in reason, reason
+        assert "mlp_neurons" in reason or "Transformers backend" in reason or (
+            "router_logits" in reason), reason
     decode = harness.standard.support(Step(first_position=11, tokens=1, prompt_length=11))
     pattern = decode["layers.0.self_attn.attention_probabilities"]
     assert "whole prompt" in pattern or "Transformers backend" in pattern

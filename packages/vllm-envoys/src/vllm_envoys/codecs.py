@@ -15,17 +15,21 @@ from torch import nn
 
 
 class Codec:
-    """Base class: `decode(piece, module)` reads, `encode(piece, module, value)` writes back."""
+    """Base class: `decode(piece, module, host)` reads, `encode(piece, module, value)` writes back.
+
+    `module` is the hooked module; `host` the standard node the value belongs to, for codecs
+    that need a sibling module (expert routing reads the router settings of the experts).
+    """
 
     writable = True
 
-    def decode(self, piece: Any, module: nn.Module) -> torch.Tensor:
+    def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:
         raise NotImplementedError
 
     def encode(self, piece: Any, module: nn.Module, value: torch.Tensor) -> Any:
         raise NotImplementedError
 
-    def shape(self, piece: Any, module: nn.Module) -> tuple[int, ...]:
+    def shape(self, piece: Any, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         """The shape `decode` gives, without copying anything."""
         raise NotImplementedError
 
@@ -42,13 +46,13 @@ class Rows(Codec):
         self.writable = writable
         self.batched = batched
 
-    def decode(self, piece: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor:
         return piece.clone() if self.batched else piece.clone().unsqueeze(0)
 
     def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor) -> torch.Tensor:
         return (value if self.batched else value[0]).to(piece.dtype)
 
-    def shape(self, piece: torch.Tensor, module: nn.Module) -> tuple[int, ...]:
+    def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         return tuple(piece.shape) if self.batched else (1, *piece.shape)
 
 
@@ -67,7 +71,7 @@ class Stream(Codec):
         hidden, residual = piece
         return hidden, residual
 
-    def decode(self, piece: Any, module: nn.Module) -> torch.Tensor:
+    def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:
         hidden, residual = self._halves(piece)
         stream = hidden.clone() if residual is None else hidden + residual
         return stream.unsqueeze(0)
@@ -79,7 +83,7 @@ class Stream(Codec):
             return new_hidden
         return new_hidden, None if residual is None else torch.zeros_like(residual)
 
-    def shape(self, piece: Any, module: nn.Module) -> tuple[int, ...]:
+    def shape(self, piece: Any, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         return (1, *self._halves(piece)[0].shape)
 
 
@@ -101,7 +105,7 @@ class Heads(Codec):
         tokens = piece.shape[0]
         return piece.reshape(tokens, -1, size)
 
-    def decode(self, piece: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor:
         heads = self._split(piece, module)
         heads = heads.transpose(0, 1) if self.heads_first else heads
         return heads.unsqueeze(0).clone(memory_format=torch.contiguous_format)
@@ -110,6 +114,6 @@ class Heads(Codec):
         heads = value[0].transpose(0, 1) if self.heads_first else value[0]
         return heads.reshape(piece.shape).to(piece.dtype)
 
-    def shape(self, piece: torch.Tensor, module: nn.Module) -> tuple[int, ...]:
+    def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         tokens, heads, size = self._split(piece, module).shape
         return (1, heads, tokens, size) if self.heads_first else (1, tokens, heads, size)

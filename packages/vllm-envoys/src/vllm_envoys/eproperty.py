@@ -140,7 +140,7 @@ class Value:
         """The standard value from one request's raw rows (a private copy)."""
         self._check(step)
         module = self.module
-        return self.eproperty.codec.decode(self.eproperty.site.get(raw, module), module)
+        return self.eproperty.codec.decode(self.eproperty.site.get(raw, module), module, self.host)
 
     def write(self, raw: Any, value: torch.Tensor, step: Step | None = None) -> Any:
         """New raw rows carrying `value`; refused, before anything changes, if it does not fit."""
@@ -151,7 +151,7 @@ class Value:
         module = self.module
         site, codec = self.eproperty.site, self.eproperty.codec
         piece = site.get(raw, module)
-        expected = codec.shape(piece, module)
+        expected = codec.shape(piece, module, self.host)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueShapeError(

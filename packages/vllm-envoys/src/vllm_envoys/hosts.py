@@ -12,12 +12,17 @@ from vllm_envoys import layouts
 from vllm_envoys.codecs import Heads, Rows, Stream
 from vllm_envoys.eproperty import EProperty, Step, Value, unavailable
 from vllm_envoys.pattern import Pattern
+from vllm_envoys.routing import Routing
 from vllm_envoys.sites import Arguments, Output
 
 WHOLE_PROMPT_ONLY = (
     "the pattern is recomputed from the queries and keys of one step, so it needs the whole "
     "prompt in a single step (a prefill without chunking); it is not available on decode steps "
     "or chunked-prefill steps — raise max_num_batched_tokens above the prompt length"
+)
+ROUTED = (
+    "this MLP is a mixture of experts run in one fused kernel: there is no single neuron or "
+    "activation tensor; read router_logits, expert_weights and expert_indices"
 )
 GATED = (
     "this MLP is gated (act(gate) * up): there is no single activation tensor; read "
@@ -134,6 +139,40 @@ class GatedMlp(Host):
     mlp_output = EProperty(Output(), Rows(), layouts.RESIDUAL, "the MLP's contribution")
 
 
+def _routing_support(host: Host, step: Step | None) -> str | None:
+    from vllm_envoys.routing import UNSUPPORTED_ROUTER, router_of, unsupported
+
+    return UNSUPPORTED_ROUTER if unsupported(router_of(host.submodule(host.experts_name))) else None
+
+
+class Moe(Host):
+    """A mixture-of-experts MLP in vLLM's shape: `gate` (router logits) → fused `experts`.
+
+    `mlp_output` is the whole block's output (routed experts, plus any shared expert). The
+    expert choice is recomputed from the router logits (see `vllm_envoys.routing`).
+    """
+
+    gate_name = "gate"
+    experts_name = "experts"
+
+    mlp_input = EProperty(Arguments(("hidden_states", 0)), Rows(), layouts.RESIDUAL,
+                          "the normed stream entering the MLP")
+    mlp_neurons = unavailable(ROUTED, layouts.NEURONS)
+    mlp_activation = unavailable(ROUTED, layouts.NEURONS)
+    mlp_output = EProperty(Output(), Rows(), layouts.RESIDUAL, "the MLP's contribution")
+    router_logits = EProperty(Output(0), Rows(), layouts.ROUTER_LOGITS,
+                              "the router's logits over experts (editable: changes the routing)",
+                              module=lambda host: host.gate_name)
+    expert_weights = EProperty(
+        Output(0), Routing("experts", weights=True), layouts.EXPERT_WEIGHTS,
+        "each token's chosen experts' weights, recomputed from router_logits (read-only)",
+        module=lambda host: host.gate_name, unavailable=_routing_support)
+    expert_indices = EProperty(
+        Output(0), Routing("experts", weights=False), layouts.EXPERT_INDICES,
+        "each token's chosen experts, recomputed from router_logits (read-only)",
+        module=lambda host: host.gate_name, unavailable=_routing_support)
+
+
 class PlainMlp(GatedMlp):
     """A plain MLP: `up` → `act` → `down`; its activation is the down projection's input.
 
@@ -152,6 +191,7 @@ class Layer(Host):
 
     Attention: type[Attention] = Attention
     Mlp: type[Host] = GatedMlp
+    Moe: type[Host] = Moe  # used for MLP modules that have experts (MoE layers may alternate)
     attention_name = "self_attn"
     mlp_name = "mlp"
     mid_norm_name = "post_attention_layernorm"
@@ -160,7 +200,9 @@ class Layer(Host):
         super().__init__(module, location, parent)
         self.self_attn = self.Attention(module.get_submodule(self.attention_name),
                                         f"{location}.self_attn", parent=self)
-        self.mlp = self.Mlp(module.get_submodule(self.mlp_name), f"{location}.mlp", parent=self)
+        mlp = module.get_submodule(self.mlp_name)
+        kind = self.Moe if hasattr(mlp, self.Moe.experts_name) else self.Mlp
+        self.mlp = kind(mlp, f"{location}.mlp", parent=self)
 
     def children(self) -> Iterator[Host]:
         yield self.self_attn

@@ -60,12 +60,12 @@ class Pattern(Codec):
     def __init__(self, probabilities: bool) -> None:
         self.probabilities = probabilities
 
-    def decode(self, piece: Any, module: nn.Module) -> torch.Tensor:
+    def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:
         query, key = piece
         scores = scores_from(query, key, module)
         return scores.float().softmax(-1).to(scores.dtype) if self.probabilities else scores
 
-    def shape(self, piece: Any, module: nn.Module) -> tuple[int, ...]:
+    def shape(self, piece: Any, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         query, _ = piece
         tokens = query.shape[0]
         return (1, query.reshape(tokens, -1, module.head_size).shape[1], tokens, tokens)
