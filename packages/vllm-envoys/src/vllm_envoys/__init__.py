@@ -27,6 +27,7 @@ from vllm_envoys.hosts import (
     Host,
     Layer,
     Model,
+    Moe,
     PlainMlp,
     StreamLayer,
 )
@@ -40,7 +41,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 __all__ = [
     "Arguments", "Attention", "Call", "Codec", "EProperty", "EnvoyError", "Family",
-    "FusedLayer", "GatedMlp", "Heads", "Host", "Layer", "Model", "Output", "PlainMlp",
+    "FusedLayer", "GatedMlp", "Heads", "Host", "Layer", "Model", "Moe", "Output", "PlainMlp",
     "ReadOnly", "Rows", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable",
     "UnknownFamily", "UnknownValue", "Value", "ValueShapeError", "__version__", "standardize",
     "unavailable",

@@ -50,7 +50,8 @@ class EProperty:
     - `site`: where in the module's call or output the tensors are (`Arguments`, `Output`).
     - `codec`: how raw rows become the standard value (a private copy in `layout`) and back.
     - `unavailable`: a fixed reason, or `f(host, step)` returning a reason or `None`. With
-      `step=None` only reasons that hold for every step are reported (as `support()` does).
+      `step=None` only reasons that hold for every step are reported (as `support()` does);
+      `when` names the condition of such a value for the docs' table (e.g. "prefill").
 
     A value declared with `site=None` is never available (`unavailable("reason")`).
     """
@@ -63,6 +64,7 @@ class EProperty:
         description: str,
         module: str | Callable[[Host], str] = "",
         unavailable: Reason = None,
+        when: str = "",
     ) -> None:
         self.site = site
         self.codec = codec
@@ -70,6 +72,7 @@ class EProperty:
         self.description = description
         self.module = module
         self.unavailable = unavailable
+        self.when = when
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:

@@ -116,11 +116,11 @@ class Attention(Host):
     attention_scores = EProperty(
         Arguments(("query", 0), ("key", 1)), Pattern(probabilities=False), layouts.PATTERN,
         "pre-softmax scores recomputed from queries and keys (read-only)", module="attn",
-        unavailable=_whole_prompt)
+        unavailable=_whole_prompt, when="prefill")
     attention_probabilities = EProperty(
         Arguments(("query", 0), ("key", 1)), Pattern(probabilities=True), layouts.PATTERN,
         "the attention pattern recomputed from queries and keys (read-only)", module="attn",
-        unavailable=_whole_prompt)
+        unavailable=_whole_prompt, when="prefill")
     attention_output = EProperty(
         Output(), Rows(), layouts.RESIDUAL, "attention's contribution to the stream")
 
@@ -166,11 +166,11 @@ class Moe(Host):
     expert_weights = EProperty(
         Output(0), Routing("experts", weights=True), layouts.EXPERT_WEIGHTS,
         "each token's chosen experts' weights, recomputed from router_logits (read-only)",
-        module=lambda host: host.gate_name, unavailable=_routing_support)
+        module=lambda host: host.gate_name, unavailable=_routing_support, when="top-k router")
     expert_indices = EProperty(
         Output(0), Routing("experts", weights=False), layouts.EXPERT_INDICES,
         "each token's chosen experts, recomputed from router_logits (read-only)",
-        module=lambda host: host.gate_name, unavailable=_routing_support)
+        module=lambda host: host.gate_name, unavailable=_routing_support, when="top-k router")
 
 
 class PlainMlp(GatedMlp):

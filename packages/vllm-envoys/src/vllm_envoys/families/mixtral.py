@@ -15,5 +15,6 @@ class MixtralLayer(FusedLayer):
 class Mixtral(Family):
     """Fused `(hidden, residual)` blocks with routed experts."""
 
+    mixture_of_experts = True
     model_types = ("mixtral",)
     Layer = MixtralLayer

@@ -9,4 +9,5 @@ from vllm_envoys.family import Family
 class Qwen2Moe(Family):
     """Fused `(hidden, residual)` blocks, routed experts plus a shared expert."""
 
+    mixture_of_experts = True
     model_types = ("qwen2_moe",)

@@ -1,0 +1,23 @@
+"""The availability table in the docs is the one the family declarations produce."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_envoys.support_table import replace_in, support_table
+
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "vllm-envoys.md"
+
+
+def test_docs_table_matches_the_code() -> None:
+    page = PAGE.read_text()
+    assert replace_in(page) == page, (
+        "docs/vllm-envoys.md is out of date: run python -m vllm_envoys.support_table "
+        "docs/vllm-envoys.md")
+
+
+def test_table_reflects_declared_reasons() -> None:
+    rows = {line.split("|")[1].strip(" `"): line for line in support_table().splitlines()[2:]}
+    assert rows["mlp_activation"].count("✗") == 9  # every family but GPT-2's plain MLP
+    assert "✗" in rows["attention_queries"]  # the Transformers backend families
+    assert rows["router_logits"].count("✓") == 2  # mixtral, qwen2_moe
