@@ -188,7 +188,9 @@ class HFOracle:
         try:
             with self._hooks(edits):
                 logits = self.model(torch.tensor([token_ids])).logits[0]
-            return dict(_RUN["values"]), logits
+            values = dict(_RUN["values"])
+            values["logits"] = logits.unsqueeze(0)
+            return values, logits
         finally:
             _RUN.clear()
 
@@ -227,7 +229,8 @@ def record(oracle: HFOracle, prompt: list[int], generated: int, layer: int) -> O
     values, _ = oracle.run(prompt + new_tokens[:-1])
     # Not editable in transformers: the pattern (derived) and the routing, which transformers'
     # router decides inside the module whose output carries the logits.
-    derived = ("attention_probabilities", "router_logits", "expert_weights", "expert_indices")
+    derived = ("attention_probabilities", "router_logits", "expert_weights", "expert_indices",
+               "logits")
     editable = ["token_embeddings"] + [
         location for location in values if location.startswith(f"layers.{layer}.")
         and not location.endswith(derived)

@@ -48,10 +48,11 @@ def test_every_value_is_served_on_every_step(harness, both_runs) -> None:
         elif "attention_scores" in location or "attention_probabilities" in location:
             assert len(steps[location]) == 1, f"{location}: pattern only on the prefill step"
         else:
-            assert len(steps[location]) == GENERATED, location
+            assert len(steps[location]) == GENERATED, location  # the prefill + each decode
 
 
 PATTERNS = ("attention_scores", "attention_probabilities")
+PER_STEP = ("logits", "next_token_probs")  # one sampled row per step, checked on their own
 
 
 def test_every_value_equals_transformers_on_prompt_and_generated_positions(harness,
@@ -59,7 +60,7 @@ def test_every_value_equals_transformers_on_prompt_and_generated_positions(harne
     steps, expected, _ = both_runs
     compared = 0
     for location, value in harness.standard.values().items():
-        if value.reason() is not None or location.rsplit(".", 1)[-1] in PATTERNS:
+        if value.reason() is not None or location.rsplit(".", 1)[-1] in PATTERNS + PER_STEP:
             continue
         assert_matches(vllm_value(steps, location), expected[location], location)
         compared += 1
@@ -80,6 +81,15 @@ def test_pattern_equals_transformers_on_the_prompt(harness, both_runs) -> None:
         (scores,) = steps[f"layers.{i}.self_attn.attention_scores"]
         assert torch.allclose(scores.softmax(-1), probabilities, atol=1e-6)
         assert torch.isinf(scores[0, :, 0, 1:]).all()  # causal: the first token sees itself only
+
+
+def test_logits_are_the_sampled_rows_of_transformers_logits(harness, both_runs) -> None:
+    steps, expected, _ = both_runs
+    logits = torch.cat(steps["logits"], dim=1)  # one row per step
+    assert logits.shape[1] == GENERATED
+    assert_matches(logits, expected["logits"][:, len(PROMPT) - 1:], "logits")
+    probabilities = torch.cat(steps["next_token_probs"], dim=1)
+    assert torch.allclose(probabilities, logits.softmax(-1), atol=1e-6)
 
 
 def test_contribution_identities(harness, both_runs) -> None:

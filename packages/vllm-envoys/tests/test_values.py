@@ -28,7 +28,7 @@ def test_tree_has_nnterp_names_for_every_layer(harness, family) -> None:
     else:
         assert standard.family.__name__ == expected_family
     assert len(standard.layers) == 3
-    expected = {"token_embeddings"}
+    expected = {"token_embeddings", "logits", "next_token_probs"}
     for i in range(3):
         expected |= {f"layers.{i}.{name}" for name in LAYER_VALUES}
         expected |= {f"layers.{i}.self_attn.{name}" for name in ATTENTION_VALUES}

@@ -117,3 +117,15 @@ class Heads(Codec):
     def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         tokens, heads, size = self._split(piece, module).shape
         return (1, heads, tokens, size) if self.heads_first else (1, tokens, heads, size)
+
+
+class Probabilities(Rows):
+    """Read-only softmax over the last axis of `[rows, vocab]` logits (next-token probabilities)."""
+
+    writable = False
+
+    def __init__(self) -> None:
+        super().__init__(writable=False)
+
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor:
+        return piece.float().softmax(-1).to(piece.dtype).unsqueeze(0)

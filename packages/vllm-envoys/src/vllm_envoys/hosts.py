@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from vllm_envoys import layouts
-from vllm_envoys.codecs import Heads, Rows, Stream
+from vllm_envoys.codecs import Heads, Probabilities, Rows, Stream
 from vllm_envoys.eproperty import EProperty, Step, Value, unavailable
 from vllm_envoys.pattern import Pattern
 from vllm_envoys.routing import Routing
@@ -251,6 +251,15 @@ class Model(Host):
     token_embeddings = EProperty(
         Output(), Rows(), layouts.RESIDUAL, "token embeddings, before any embedding scale",
         module=lambda host: host.embed_path)
+
+    # One row per sampled position (a request's last row each step, not every token): the
+    # runner narrows these with a layout of sampled rows, not the step's token layout.
+    logits = EProperty(Output(), Rows(), layouts.LOGITS,
+                       "the logits of the sampled rows (soft-capped and scaled as sampled)",
+                       module="logits_processor")
+    next_token_probs = EProperty(Output(), Probabilities(), layouts.LOGITS,
+                                 "softmax of the logits (read-only; edit logits)",
+                                 module="logits_processor")
 
     def __init__(self, module: nn.Module, embed_path: str, layers: list[Any]) -> None:
         super().__init__(module, "")

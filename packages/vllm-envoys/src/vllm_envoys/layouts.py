@@ -19,3 +19,4 @@ PATTERN: Layout = ("batch", "heads", "query", "key")
 ROUTER_LOGITS: Layout = ("batch", "tokens", "experts")
 EXPERT_WEIGHTS: Layout = ("batch", "tokens", "top_k")
 EXPERT_INDICES: Layout = ("batch", "tokens", "top_k")
+LOGITS: Layout = ("batch", "tokens", "vocab")  # tokens: the rows sampled this step
