@@ -66,6 +66,29 @@ def _first(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, tuple) else value
 
 
+def _edit_router_logits(router: torch.nn.Module, edit: Edit) -> list:
+    """Edit a transformers router's logits where it computes them, so its own routing follows.
+
+    transformers' routers compute `F.linear(hidden, weight)` and choose experts in the same
+    forward; the logits cannot be edited from outside it. For the duration of the router's
+    forward only, `F.linear` is wrapped to apply the edit to the router's logits.
+    """
+    functional = torch.nn.functional
+    original = functional.linear
+
+    def edited_linear(input, weight, bias=None):
+        logits = original(input, weight, bias)
+        return edit(logits.unsqueeze(0))[0] if weight is router.weight else logits
+
+    def patch(module, args):
+        functional.linear = edited_linear
+
+    def restore(module, args, output):
+        functional.linear = original
+
+    return [router.register_forward_pre_hook(patch), router.register_forward_hook(restore)]
+
+
 class HFOracle:
     """Runs a transformers Llama-shaped model and returns every standard value of a sequence."""
 
@@ -136,6 +159,8 @@ class HFOracle:
                 def item_hook(module, args, output, location=location, index=index):
                     _RUN["values"][location] = output[index].detach().clone().unsqueeze(0)
                 handles.append(module.register_forward_hook(item_hook))
+                if location in edits and location.endswith(".router_logits"):
+                    handles += _edit_router_logits(module, edits[location])
             elif kind == "output":
                 # The standard token_embeddings come before any embedding scale; transformers
                 # applies Gemma's inside its embedding module, so undo it for reads and edits.
@@ -227,13 +252,11 @@ def record(oracle: HFOracle, prompt: list[int], generated: int, layer: int) -> O
         sequence.append(int(logits[-1].argmax()))
     new_tokens = sequence[len(prompt):]
     values, _ = oracle.run(prompt + new_tokens[:-1])
-    # Not editable in transformers: the pattern (derived) and the routing, which transformers'
-    # router decides inside the module whose output carries the logits.
-    derived = ("attention_probabilities", "router_logits", "expert_weights", "expert_indices",
-               "logits")
+    # Derived values are not edited (the runner refuses writes to them too).
+    derived = ("attention_probabilities", "expert_weights", "expert_indices", "logits")
     editable = ["token_embeddings"] + [
         location for location in values if location.startswith(f"layers.{layer}.")
-        and not location.endswith(derived)
+        and location.rsplit(".", 1)[-1] not in derived
     ]
     edited = {location: oracle.run(prompt, edits={location: add_noise})[1][-1]
               for location in editable}
