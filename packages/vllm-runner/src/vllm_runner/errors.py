@@ -1,0 +1,15 @@
+"""Errors raised by vllm-runner; each names the bad input and what to do instead."""
+
+from __future__ import annotations
+
+
+class InterpError(Exception):
+    """Base class for vllm-runner errors."""
+
+
+class LocationError(InterpError, ValueError):
+    """A location names no value of the model; the message lists the closest valid ones."""
+
+
+class UnsupportedEngine(InterpError, RuntimeError):
+    """The engine runs in a way the runner has not been checked against (e.g. the V2 runner)."""

@@ -1,0 +1,127 @@
+"""`LLM`: vLLM's offline engine with per-request interpretability programs.
+
+All of vLLM's engine arguments pass through. Two are set for interpretability and explained:
+`enforce_eager=True` (forward hooks do not fire inside compiled graphs or CUDA-graph replays),
+and `worker_cls` (the worker that runs programs). Prompts with a program get a `cache_salt`
+derived from it, so their KV blocks are never shared with requests running a different program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import vllm
+from vllm import SamplingParams
+
+from vllm_runner.errors import LocationError
+from vllm_runner.ops import Op
+from vllm_runner.program import EXTRA_ARGS_KEY, encode, new_key
+from vllm_runner.store import from_bytes
+
+
+def _worker_cls() -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "vllm_runner.worker.InterpCPUWorker"
+    return "vllm_runner.worker.InterpGPUWorker"
+
+
+def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, dict):
+        return dict(prompt)
+    raise TypeError(f"prompts must be strings or prompt dicts (TokensPrompt, TextPrompt); got "
+                    f"{type(prompt).__name__}")
+
+
+class LLM:
+    """`vllm.LLM` plus `interventions=` on `generate` (see DESIGN §4).
+
+    `outputs[i].saved` maps canonical locations to CPU tensors; `outputs[i].error` is `None` or
+    why the request's program failed.
+    """
+
+    def __init__(self, model: str, **engine: Any) -> None:
+        if engine.get("enforce_eager") is False:
+            raise ValueError("vllm-runner needs enforce_eager=True: forward hooks do not fire "
+                             "inside compiled graphs or CUDA-graph replays")
+        engine["enforce_eager"] = True
+        engine.setdefault("worker_cls", _worker_cls())
+        self.engine = vllm.LLM(model=model, **engine)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def _check_locations(self, programs: list[list[Op]]) -> None:
+        patterns = sorted({op.location for ops in programs for op in ops})
+        if not patterns:
+            return
+        (answer, *_) = self.engine.collective_rpc("interp_resolve", args=(patterns,))
+        if answer["errors"]:
+            raise LocationError("; ".join(answer["errors"].values()))
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | None = None,
+                 interventions: Sequence[Op] | Sequence[Sequence[Op]] | None = None,
+                 **kwargs: Any) -> list[Any]:
+        """Generate like `vllm.LLM.generate`, running `interventions` on each request.
+
+        `interventions` is one list of ops for every prompt, or one list per prompt.
+        """
+        single = isinstance(prompts, (str, dict))
+        prompt_list = [prompts] if single else list(prompts)
+        programs = self._programs(interventions, len(prompt_list))
+        self._check_locations(programs)
+        base = sampling_params or SamplingParams()
+        requests, params, keys = [], [], []
+        for prompt, ops in zip(prompt_list, programs, strict=True):
+            request = _as_prompt_dict(prompt)
+            param = base.clone()
+            key = None
+            if ops:
+                key = new_key()
+                program = encode(key, ops)
+                param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: program}
+                salt = hashlib.sha256(json.dumps(program["ops"], sort_keys=True).encode())
+                request.setdefault("cache_salt", salt.hexdigest()[:16])
+            requests.append(request)
+            params.append(param)
+            keys.append(key)
+        outputs = self.engine.generate(requests, params, **kwargs)
+        self._attach_saves(outputs, keys, programs)
+        return outputs
+
+    @staticmethod
+    def _programs(interventions: Any, count: int) -> list[list[Op]]:
+        if not interventions:
+            return [[] for _ in range(count)]
+        if all(isinstance(item, (list, tuple)) for item in interventions):
+            if len(interventions) != count:
+                raise ValueError(f"got {len(interventions)} intervention lists for {count} "
+                                 "prompts; pass one list per prompt, or one list for all")
+            return [list(ops) for ops in interventions]
+        return [list(interventions) for _ in range(count)]
+
+    def _attach_saves(self, outputs: list[Any], keys: list[str | None],
+                      programs: list[list[Op]]) -> None:
+        wanted = []
+        for output, key, ops in zip(outputs, keys, programs, strict=True):
+            output.saved, output.error = {}, None
+            if key is None:
+                continue
+            generated = len(output.outputs[0].token_ids) if output.outputs else 0
+            prompt_length = len(output.prompt_token_ids)
+            wanted.append({"key": key, "computed": prompt_length + max(generated - 1, 0),
+                           "prompt_length": prompt_length,
+                           "ops": [op.to_data() for op in ops]})
+        if not wanted:
+            return
+        (data, *_) = self.engine.collective_rpc("interp_collect", args=(wanted,))
+        saved = from_bytes(data)
+        for output, key in zip(outputs, keys, strict=True):
+            if key is not None:
+                output.saved = saved.get(key, {})

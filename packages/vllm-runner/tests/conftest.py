@@ -1,0 +1,47 @@
+"""One tiny random Llama, its transformers reference, and one shared in-process engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+PROMPTS = [[5, 17, 99, 3, 42], [250, 7, 61, 8, 120, 33, 14, 2, 77, 19, 4], [91, 45, 12]]
+GENERATED = 4
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: str) -> LlamaForCausalLM:
+    """transformers on the same weights (eager attention): the oracle."""
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.set_attn_implementation("eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir: str, reference):  # the reference loads first; the engine then owns the CPU
+    from vllm_runner import LLM
+
+    # An 8-token budget makes the prompts share steps and spreads the longest over three.
+    return LLM(model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
+               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, seed=0)

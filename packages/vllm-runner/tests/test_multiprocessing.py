@@ -1,0 +1,48 @@
+"""Programs and saves cross process boundaries: vLLM's default multiprocess engine (client,
+engine core and worker in separate processes) gives the same saves as the in-process one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from conftest import PROMPTS
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+
+SCRIPT = """
+import json, sys, torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import LLM, ops
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32",
+              gpu_memory_utilization=0.15, max_model_len=128, seed=0)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[2]))],
+                          SamplingParams(max_tokens=3, temperature=0.0),
+                          interventions=[ops.Save("layers.1.layer_output")], use_tqdm=False)
+    saved = out.saved["layers.1.layer_output"]
+    print("RESULT", json.dumps({"shape": list(saved.shape), "values": saved.flatten().tolist()}))
+"""
+
+
+def test_multiprocess_engine_gives_the_same_saves(llm, model_dir: str) -> None:
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS[0])], env=environment,
+        capture_output=True, text=True, timeout=300)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"the multiprocess run failed:\n{completed.stderr[-3000:]}"
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    (local,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])],
+                            SamplingParams(max_tokens=3, temperature=0.0),
+                            interventions=[ops.Save("layers.1.layer_output")], use_tqdm=False)
+    expected = local.saved["layers.1.layer_output"]
+    assert result["shape"] == list(expected.shape) == [1, len(PROMPTS[0]) + 2, 128]
+    assert torch.allclose(torch.tensor(result["values"]).reshape(expected.shape), expected,
+                          atol=1e-5)

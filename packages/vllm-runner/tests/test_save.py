@@ -1,0 +1,94 @@
+"""Save under continuous batching: each request's saves equal transformers' values for that
+prompt alone, requests without programs are untouched, and bad locations are refused early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GENERATED, PROMPTS
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import LocationError, ops
+
+TOLERANCE = 1e-4
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
+    error = (actual - expected).abs().max() / expected.abs().max()
+    assert error <= TOLERANCE, f"{what}: relative error {error:.2e}"
+
+
+@torch.no_grad()
+def transformers_values(model, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """Layer outputs, MLP neurons and the attention pattern of one sequence, by hand."""
+    values: dict[str, torch.Tensor] = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.register_forward_hook(
+            lambda m, a, out, i=i: values.__setitem__(f"layers.{i}.layer_output",
+                                                      out[0] if isinstance(out, tuple) else out)))
+        handles.append(layer.mlp.down_proj.register_forward_pre_hook(
+            lambda m, a, i=i: values.__setitem__(f"layers.{i}.mlp.mlp_neurons", a[0])))
+    try:
+        output = model(torch.tensor([tokens]), output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for i, pattern in enumerate(output.attentions):
+        values[f"layers.{i}.self_attn.attention_probabilities"] = pattern
+    values["next"] = output.logits[0, -1]
+    return values
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], count: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def run(llm):
+    programs = [
+        [ops.Save("layers.*.layer_output"), ops.Save("layers.0.attention_probabilities")],
+        [ops.Save("layers.1.mlp_neurons")],
+        [],
+    ]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0)
+    return llm.generate(prompts, params, interventions=programs, use_tqdm=False)
+
+
+def test_saves_equal_transformers_on_prompt_and_generated_positions(run, reference) -> None:
+    for index, location in ((0, "layers.0.layer_output"), (0, "layers.2.layer_output"),
+                            (1, "layers.1.mlp.mlp_neurons")):
+        output = run[index]
+        generated = list(output.outputs[0].token_ids)
+        expected = transformers_values(reference, PROMPTS[index] + generated[:-1])[location]
+        close(output.saved[location], expected, f"request {index} {location}")
+    assert set(run[0].saved) == {f"layers.{i}.layer_output" for i in range(3)} | {
+        "layers.0.self_attn.attention_probabilities"}
+
+
+def test_pattern_is_saved_from_the_whole_prompt_step(run, reference) -> None:
+    saved = run[0].saved["layers.0.self_attn.attention_probabilities"]
+    expected = transformers_values(reference, PROMPTS[0])
+    close(saved, expected["layers.0.self_attn.attention_probabilities"], "pattern")
+
+
+def test_every_request_generates_what_transformers_generates(run, reference) -> None:
+    for index, output in enumerate(run):
+        assert list(output.outputs[0].token_ids) == greedy(reference, PROMPTS[index], GENERATED)
+    assert run[2].saved == {} and run[2].error is None
+
+
+def test_unknown_location_is_refused_before_anything_runs(llm) -> None:
+    closest = r"layers.1.mlp_neuron.*closest: layers.1.mlp.mlp_neurons"
+    with pytest.raises(LocationError, match=closest):
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(max_tokens=1),
+                     interventions=[ops.Save("layers.1.mlp_neuron")], use_tqdm=False)
+    with pytest.raises(LocationError, match="layer 7 does not exist"):
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(max_tokens=1),
+                     interventions=[ops.Save("layers.7.layer_output")], use_tqdm=False)
