@@ -42,6 +42,8 @@ def reference(model_dir: str) -> LlamaForCausalLM:
 def llm(model_dir: str, reference):  # the reference loads first; the engine then owns the CPU
     from vllm_runner import LLM
 
-    # An 8-token budget makes the prompts share steps and spreads the longest over three.
+    # An 8-token budget makes the prompts share steps and spreads the longest over three; 32-token
+    # KV blocks (the CPU kernel's smallest) let prompts of a few dozen tokens share cache blocks.
     return LLM(model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
-               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, seed=0)
+               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32,
+               seed=0)

@@ -30,6 +30,12 @@ def _worker_cls() -> str:
     return "vllm_runner.worker.InterpGPUWorker"
 
 
+def _bytes_as_hex(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"cannot hash a program holding {type(value).__name__}")
+
+
 def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
@@ -86,7 +92,8 @@ class LLM:
                 key = new_key()
                 program = encode(key, ops)
                 param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: program}
-                salt = hashlib.sha256(json.dumps(program["ops"], sort_keys=True).encode())
+                salt = hashlib.sha256(json.dumps(program["ops"], sort_keys=True,
+                                                 default=_bytes_as_hex).encode())
                 request.setdefault("cache_salt", salt.hexdigest()[:16])
             requests.append(request)
             params.append(param)

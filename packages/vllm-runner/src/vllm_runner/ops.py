@@ -6,8 +6,10 @@ travel in `SamplingParams.extra_args` across process boundaries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import torch
 
 Steps = Literal["all", "prefill", "decode"]
 
@@ -33,4 +35,37 @@ class Save:
                 "steps": self.steps}
 
 
-Op = Save
+def tensor_to_data(tensor: torch.Tensor) -> dict[str, Any]:
+    """A tensor as plain data (float32 bytes and a shape), which msgpack carries anywhere."""
+    flat = tensor.detach().to("cpu", torch.float32).contiguous()
+    return {"shape": list(flat.shape), "float32": flat.numpy().tobytes()}
+
+
+def tensor_from_data(data: dict[str, Any]) -> torch.Tensor:
+    """The inverse of `tensor_to_data`."""
+    return torch.frombuffer(bytearray(data["float32"]), dtype=torch.float32).reshape(data["shape"])
+
+
+@dataclass(frozen=True)
+class Add:
+    """Add `scale * vector` to the value at `location`, on this request's rows only (steering).
+
+    `vector` broadcasts over the value's layout (e.g. `[hidden]` for `layer_output`). `positions`
+    and `steps` limit where it is added, as for `Save`.
+    """
+
+    location: str
+    vector: torch.Tensor = field(repr=False)
+    scale: float = 1.0
+    positions: tuple[int, ...] | None = None
+    steps: Steps = "all"
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args` (the vector as bytes)."""
+        return {"op": "add", "location": self.location, "vector": tensor_to_data(self.vector),
+                "scale": float(self.scale),
+                "positions": None if self.positions is None else list(self.positions),
+                "steps": self.steps}
+
+
+Op = Save | Add

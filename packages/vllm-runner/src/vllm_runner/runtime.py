@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tokenspan import Span, StepLayout, narrow
+from tokenspan import Span, StepLayout, narrow, widen
 from torch import nn
 from vllm_envoys import Call, Step, Value, standardize
 
 from vllm_runner.locations import resolve
+from vllm_runner.ops import tensor_from_data
 from vllm_runner.program import program_of
 from vllm_runner.store import SaveStore
 
@@ -121,6 +122,8 @@ class Runtime:
         return value.module.register_forward_hook(hook)
 
     def _visit(self, location: str, value: Value, raw: Any) -> None:
+        """Run every waiting request's op on its own rows; edits are written into the engine's
+        tensors in place (tokenspan.widen), only on the request's rows."""
         layout = self._layout
         if layout is None:
             return
@@ -129,8 +132,13 @@ class Runtime:
             if value.reason(want.step) is not None:
                 continue  # e.g. the pattern outside a whole-prompt step
             rows = narrow(raw, want.span, layout)
-            self.store.save(want.key, location, want.span.first_position,
-                            value.read(rows, want.step), token_axis)
+            current = value.read(rows, want.step)
+            if want.op["op"] == "save":
+                self.store.save(want.key, location, want.span.first_position, current,
+                                token_axis)
+            elif want.op["op"] == "add":
+                edited = current + _delta(want, current, token_axis)
+                widen(raw, want.span, layout, value.write(rows, edited, want.step))
 
     # ------------------------------------------------------------------ collection
 
@@ -139,10 +147,26 @@ class Runtime:
         """A request's saves, trimmed to its final output and filtered by its ops."""
         filters = {}
         for op in ops:
+            if op["op"] != "save":
+                continue
             keep = _position_filter(op, prompt_length)
             for location in self.resolve(op["location"]):
                 filters[location] = keep
         return self.store.collect(key, computed, filters)
+
+
+def _delta(want: Want, current: torch.Tensor, token_axis: int | None) -> torch.Tensor:
+    """`scale * vector`, broadcast over `current`, zero on rows the op's filters leave out."""
+    op = want.op
+    vector = tensor_from_data(op["vector"]).to(current.dtype) * op["scale"]
+    delta = vector.expand_as(current).clone()
+    if token_axis is not None and (op.get("positions") is not None or op.get("steps") != "all"):
+        keep = _position_filter(op, want.step.prompt_length)
+        first = want.span.first_position
+        for offset in range(current.shape[token_axis]):
+            if not keep(first + offset):
+                delta.select(token_axis, offset).zero_()
+    return delta
 
 
 def _token_axis(value: Value) -> int | None:

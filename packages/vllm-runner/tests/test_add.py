@@ -1,0 +1,86 @@
+"""Add (steering): the steered request generates what transformers generates with the same edit,
+and nobody else changes — in the same step, or later through the prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GENERATED, PROMPTS
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+
+LAYER = 1
+
+
+@torch.no_grad()
+def steered_greedy(model, prompt: list[int], count: int, vector: torch.Tensor | None):
+    """transformers' greedy tokens with `vector` added to one layer's output at every position."""
+    handle = None
+    if vector is not None:
+        def add(module, args, output):
+            if isinstance(output, tuple):
+                return (output[0] + vector, *output[1:])
+            return output + vector
+        handle = model.model.layers[LAYER].register_forward_hook(add)
+    try:
+        tokens = list(prompt)
+        for _ in range(count):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+        return tokens[len(prompt):]
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@pytest.fixture(scope="module")
+def vector() -> torch.Tensor:
+    return torch.randn(128, generator=torch.Generator().manual_seed(7)) * 3.0
+
+
+def generate(llm, prompt: list[int], interventions=None) -> list[int]:
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                             SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                             interventions=interventions, use_tqdm=False)
+    return list(output.outputs[0].token_ids)
+
+
+def test_steered_request_matches_transformers_and_others_are_untouched(llm, reference,
+                                                                        vector) -> None:
+    steer = [ops.Add(f"layers.{LAYER}.layer_output", vector, scale=2.0)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                           interventions=[steer, [], steer], use_tqdm=False)
+    for index, output in enumerate(outputs):
+        edit = 2.0 * vector if index != 1 else None
+        expected = steered_greedy(reference, PROMPTS[index], GENERATED, edit)
+        assert list(output.outputs[0].token_ids) == expected, f"request {index}"
+    plain = steered_greedy(reference, PROMPTS[0], GENERATED, None)
+    assert steered_greedy(reference, PROMPTS[0], GENERATED, 2.0 * vector) != plain, (
+        "the steering vector is too weak to test anything")
+
+
+def test_steering_never_leaks_through_the_prefix_cache(llm, reference, vector) -> None:
+    # A prompt no other test uses, steered first: its KV blocks would be cached, and a plain
+    # request for the same prompt would reuse them without the per-program cache salt.
+    prompt = [(7 * i + 3) % 256 for i in range(66)]  # two whole 32-token KV blocks
+    steered = generate(llm, prompt, [ops.Add(f"layers.{LAYER}.layer_output", vector, 2.0)])
+    plain = generate(llm, prompt)
+    assert plain == steered_greedy(reference, prompt, GENERATED, None)
+    assert steered == steered_greedy(reference, prompt, GENERATED, 2.0 * vector) != plain
+
+
+def test_positions_limit_where_the_vector_is_added(llm, reference, vector) -> None:
+    # Only at generated positions: the prompt's saved stream must be unchanged.
+    location = f"layers.{LAYER}.layer_output"
+    plain, steered = (
+        llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])],
+                     SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                     interventions=program, use_tqdm=False)[0]
+        for program in ([ops.Save(location)],
+                        [ops.Add(location, vector, steps="decode"), ops.Save(location)]))
+    prompt_length = len(PROMPTS[0])
+    assert torch.allclose(steered.saved[location][:, :prompt_length],
+                          plain.saved[location][:, :prompt_length], atol=1e-6)
+    assert not torch.allclose(steered.saved[location][:, prompt_length:],
+                              plain.saved[location][:, prompt_length:], atol=1e-3)
