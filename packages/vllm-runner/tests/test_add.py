@@ -84,3 +84,17 @@ def test_positions_limit_where_the_vector_is_added(llm, reference, vector) -> No
                           plain.saved[location][:, :prompt_length], atol=1e-6)
     assert not torch.allclose(steered.saved[location][:, prompt_length:],
                               plain.saved[location][:, prompt_length:], atol=1e-3)
+
+
+def test_a_failing_op_fails_only_its_request_and_the_engine_keeps_serving(llm, reference,
+                                                                           vector) -> None:
+    wrong = [ops.Add(f"layers.{LAYER}.layer_output", torch.ones(7))]  # hidden is 128
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]],
+                           SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                           interventions=[wrong, [ops.Save("layers.0.layer_output")]],
+                           use_tqdm=False)
+    assert "add at layers.1.layer_output" in outputs[0].error
+    assert outputs[1].error is None and "layers.0.layer_output" in outputs[1].saved
+    assert list(outputs[1].outputs[0].token_ids) == steered_greedy(reference, PROMPTS[1],
+                                                                    GENERATED, None)
+    assert generate(llm, PROMPTS[0]) == steered_greedy(reference, PROMPTS[0], GENERATED, None)

@@ -128,7 +128,9 @@ class LLM:
         if not wanted:
             return
         (data, *_) = self.engine.collective_rpc("interp_collect", args=(wanted,))
-        saved = from_bytes(data)
+        collected = from_bytes(data)
         for output, key in zip(outputs, keys, strict=True):
             if key is not None:
-                output.saved = saved.get(key, {})
+                result = collected.get(key, {})
+                output.saved = result.get("saved", {})
+                output.error = result.get("error")

@@ -131,14 +131,18 @@ class Runtime:
         for want in self._wants.get(location, ()):
             if value.reason(want.step) is not None:
                 continue  # e.g. the pattern outside a whole-prompt step
-            rows = narrow(raw, want.span, layout)
-            current = value.read(rows, want.step)
-            if want.op["op"] == "save":
-                self.store.save(want.key, location, want.span.first_position, current,
-                                token_axis)
-            elif want.op["op"] == "add":
-                edited = current + _delta(want, current, token_axis)
-                widen(raw, want.span, layout, value.write(rows, edited, want.step))
+            try:
+                rows = narrow(raw, want.span, layout)
+                current = value.read(rows, want.step)
+                if want.op["op"] == "save":
+                    self.store.save(want.key, location, want.span.first_position, current,
+                                    token_axis)
+                elif want.op["op"] == "add":
+                    edited = current + _delta(want, current, token_axis)
+                    widen(raw, want.span, layout, value.write(rows, edited, want.step))
+            except Exception as error:  # one request's failure must not stop the engine
+                self.store.fail(want.key, f"{want.op['op']} at {location}: "
+                                          f"{type(error).__name__}: {error}")
 
     # ------------------------------------------------------------------ collection
 
@@ -153,6 +157,10 @@ class Runtime:
             for location in self.resolve(op["location"]):
                 filters[location] = keep
         return self.store.collect(key, computed, filters)
+
+    def error(self, key: str) -> str | None:
+        """Why a request's program failed, or `None`."""
+        return self.store.error(key)
 
 
 def _delta(want: Want, current: torch.Tensor, token_axis: int | None) -> torch.Tensor:

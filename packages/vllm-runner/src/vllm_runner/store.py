@@ -24,6 +24,15 @@ class SaveStore:
         self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(
             lambda: defaultdict(dict))
         self._axes: dict[tuple[str, str], int | None] = {}
+        self._errors: dict[str, str] = {}
+
+    def fail(self, key: str, message: str) -> None:
+        """Record why `key`'s program failed (the first failure is kept)."""
+        self._errors.setdefault(key, message)
+
+    def error(self, key: str) -> str | None:
+        """Why `key`'s program failed, or `None`; forgotten once read."""
+        return self._errors.pop(key, None)
 
     def save(self, key: str, location: str, first_position: int, value: torch.Tensor,
              token_axis: int | None) -> None:
@@ -57,6 +66,7 @@ class SaveStore:
     def drop(self, keys: list[str]) -> None:
         """Free what `keys` saved (aborted or abandoned requests)."""
         for key in keys:
+            self._errors.pop(key, None)
             for location in self._rows.pop(key, {}):
                 self._axes.pop((key, location), None)
 
@@ -64,13 +74,13 @@ class SaveStore:
         return len(self._rows)
 
 
-def to_bytes(saved: dict[str, dict[str, torch.Tensor]]) -> bytes:
+def to_bytes(saved: dict[str, Any]) -> bytes:
     """Saved tensors as bytes: plain data crosses vLLM's msgpack RPC without special flags."""
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     return buffer.getvalue()
 
 
-def from_bytes(data: bytes) -> dict[str, dict[str, torch.Tensor]]:
+def from_bytes(data: bytes) -> dict[str, Any]:
     """The inverse of `to_bytes` (tensors only, no pickled code)."""
     return torch.load(io.BytesIO(data), weights_only=True)

@@ -71,11 +71,14 @@ class WorkerRPC:
         return {"resolved": resolved, "errors": errors}
 
     def interp_collect(self, requests: list[dict[str, Any]]) -> bytes:
-        """Saves of finished requests (`key`, `computed`, `prompt_length`, `ops`), as bytes."""
+        """Saves and errors of finished requests (`key`, `computed`, `prompt_length`, `ops`)."""
         runtime = self.model_runner.interp
         return to_bytes({
-            request["key"]: runtime.collect(request["key"], request["computed"],
-                                            request["prompt_length"], request["ops"])
+            request["key"]: {
+                "saved": runtime.collect(request["key"], request["computed"],
+                                         request["prompt_length"], request["ops"]),
+                "error": runtime.error(request["key"]),
+            }
             for request in requests
         })
 
