@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import engine_layouts as engine
 import torch
 import torch.distributed as dist
+from simulated import bits_equal
 from torch import Tensor
 from tpfragments import (
     Fragments,
@@ -113,15 +114,6 @@ def cases(size: int) -> list[Case]:
     ]
 
 
-def _bits_equal(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point():
-        kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return bool(torch.equal(a.contiguous().view(kind), b.contiguous().view(kind)))
-    return bool(torch.equal(a, b))
-
-
 def _counting_group(counts: Counter) -> Group:
     base = Group.from_torch()
 
@@ -178,7 +170,7 @@ def _run_case(case: Case, rank: int, size: int, seed: int) -> dict:
         readers = [whole[0].clone(), whole.sum(), whole.narrow(0, 1, 2).abs().max()]
         gathered = sum(counts.values()) - before
         _check(len(readers) == 3, "readers")
-        _check(_bits_equal(whole, logical), f"whole differs from the logical tensor: "
+        _check(bits_equal(whole, logical), f"whole differs from the logical tensor: "
                f"max |diff| {(whole.double() - logical.double()).abs().max().item()}")
         _check(case.expected_collectives == 0 or not whole.is_inference(),
                "a gathered whole must be a normal tensor with a version counter")
@@ -187,7 +179,7 @@ def _run_case(case: Case, rank: int, size: int, seed: int) -> dict:
         handed = back()
         report["back_collectives"] = sum(counts.values()) - before
         _check(handed is value, "an unedited visit must hand back the engine's own object")
-        _check(_bits_equal(piece, original_bits), "the engine's piece changed during a read")
+        _check(bits_equal(piece, original_bits), "the engine's piece changed during a read")
         report["visits"].append(gathered)
 
         # Visit 2: an in-place edit of rows 1 and 3 through a strided view.
@@ -240,19 +232,19 @@ def _check_handed(case: Case, handed: object, value: object, edited: Tensor, pie
     _check(new_piece.dtype == piece.dtype, f"dtype changed to {new_piece.dtype}")
     if case.partial:
         total = _engine_sum(new_piece)
-        _check(_bits_equal(total, edited), "the engine's reduction of the new pieces is not "
+        _check(bits_equal(total, edited), "the engine's reduction of the new pieces is not "
                f"the edit: max |diff| {(total.double() - edited.double()).abs().max().item()}")
         if edited_rows is not None:
             untouched = torch.ones(piece.shape[0], dtype=torch.bool)
             untouched[edited_rows] = False
-            _check(_bits_equal(new_piece[untouched], piece[untouched]),
+            _check(bits_equal(new_piece[untouched], piece[untouched]),
                    "rows the edit left alone must keep the rank's original partial")
             if rank > 0:
                 _check(bool((new_piece[edited_rows] == 0).all()),
                        "edited rows must be zero on ranks other than 0")
     else:
         expected = case.piece(edited, rank, size)
-        _check(_bits_equal(new_piece, expected),
+        _check(bits_equal(new_piece, expected),
                "the new piece is not the engine's layout of the edited whole")
 
 
