@@ -17,7 +17,7 @@ import vllm
 from vllm import SamplingParams
 
 from vllm_runner.errors import LocationError
-from vllm_runner.ops import Op
+from vllm_runner.ops import Op, Skip
 from vllm_runner.program import EXTRA_ARGS_KEY, encode, new_key
 from vllm_runner.store import from_bytes
 
@@ -64,7 +64,8 @@ class LLM:
         return getattr(self.engine, name)
 
     def _check_locations(self, programs: list[list[Op]]) -> None:
-        patterns = sorted({op.location for ops in programs for op in ops})
+        patterns = sorted({f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
+                           for ops in programs for op in ops})
         if not patterns:
             return
         (answer, *_) = self.engine.collective_rpc("interp_resolve", args=(patterns,))

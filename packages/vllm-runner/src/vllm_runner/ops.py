@@ -68,4 +68,90 @@ class Add:
                 "steps": self.steps}
 
 
-Op = Save | Add
+@dataclass(frozen=True)
+class Set:
+    """Replace the value at `location` with `value` (broadcast over its layout) on this request's
+    rows, e.g. a patched activation taken from another run."""
+
+    location: str
+    value: torch.Tensor = field(repr=False)
+    positions: tuple[int, ...] | None = None
+    steps: Steps = "all"
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args`."""
+        return {"op": "set", "location": self.location, "value": tensor_to_data(self.value),
+                "positions": None if self.positions is None else list(self.positions),
+                "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Multiply the value at `location` by `factor` on this request's rows."""
+
+    location: str
+    factor: float
+    positions: tuple[int, ...] | None = None
+    steps: Steps = "all"
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args`."""
+        return {"op": "scale", "location": self.location, "factor": float(self.factor),
+                "positions": None if self.positions is None else list(self.positions),
+                "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class Zero:
+    """Zero the value at `location` on this request's rows — only the given `heads` for values
+    with a heads axis (queries, keys, values, head outputs), e.g. head ablation."""
+
+    location: str
+    heads: tuple[int, ...] | None = None
+    positions: tuple[int, ...] | None = None
+    steps: Steps = "all"
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args`."""
+        return {"op": "zero", "location": self.location,
+                "heads": None if self.heads is None else list(self.heads),
+                "positions": None if self.positions is None else list(self.positions),
+                "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class ProjectOut:
+    """Remove the component along `direction` from the value at `location` (its last axis) on
+    this request's rows: `x - (x·d̂) d̂`, e.g. directional ablation."""
+
+    location: str
+    direction: torch.Tensor = field(repr=False)
+    positions: tuple[int, ...] | None = None
+    steps: Steps = "all"
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args`."""
+        return {"op": "project_out", "location": self.location,
+                "direction": tensor_to_data(self.direction),
+                "positions": None if self.positions is None else list(self.positions),
+                "steps": self.steps}
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Skip layer `layer` for this request only: its output becomes its input, on this request's
+    rows (the layer still runs for every other request — safe on a shared engine)."""
+
+    layer: int
+
+    @property
+    def location(self) -> str:
+        """The layer, as a location prefix (`layers.<i>`)."""
+        return f"layers.{self.layer}"
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args`."""
+        return {"op": "skip", "location": self.location}
+
+
+Op = Save | Add | Set | Scale | Zero | ProjectOut | Skip

@@ -48,6 +48,8 @@ class Runtime:
         self._hooks: dict[str, Any] = {}
         self._layout: StepLayout | None = None
         self._wants: dict[str, list[Want]] = {}
+        # Within one forward: a skipped layer's input rows, per (request key, layer input).
+        self._skipped: dict[tuple[str, str], torch.Tensor] = {}
 
     def resolve(self, pattern: str) -> list[str]:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
@@ -63,6 +65,13 @@ class Runtime:
                     "served by the runner; save the last layer's layer_output instead")
             self._resolved[pattern] = found
         return found
+
+    def _locations_of(self, op: dict[str, Any]) -> list[str]:
+        """Where an op acts: its location, or for `skip` the layer's input and output."""
+        if op["op"] == "skip":
+            layer = op["location"]
+            return self.resolve(f"{layer}.layer_input") + self.resolve(f"{layer}.layer_output")
+        return self.resolve(op["location"])
 
     # ------------------------------------------------------------------ per step
 
@@ -91,7 +100,7 @@ class Runtime:
             span = layout[request_id]
             step = Step(span.first_position, len(span), len(state.prompt_token_ids))
             for op in program["ops"]:
-                for location in self.resolve(op["location"]):
+                for location in self._locations_of(op):
                     wants[location].append(Want(program["key"], span, step, op))
         self._layout, self._wants = layout, dict(wants)
         self._sync_hooks()
@@ -99,6 +108,7 @@ class Runtime:
     def end_step(self) -> None:
         """Forget the step (hooks stay installed while programs keep wanting them)."""
         self._layout, self._wants = None, {}
+        self._skipped.clear()
 
     # ------------------------------------------------------------------ hooks
 
@@ -137,8 +147,16 @@ class Runtime:
                 if want.op["op"] == "save":
                     self.store.save(want.key, location, want.span.first_position, current,
                                     token_axis)
-                elif want.op["op"] == "add":
-                    edited = current + _delta(want, current, token_axis)
+                elif want.op["op"] == "skip":
+                    layer = want.op["location"]
+                    if location.endswith(".layer_input"):
+                        self._skipped[(want.key, layer)] = current
+                    else:
+                        replacement = self._skipped.pop((want.key, layer))
+                        widen(raw, want.span, layout,
+                              value.write(rows, replacement, want.step))
+                else:
+                    edited = _edited(want, current, token_axis, value.eproperty.layout)
                     widen(raw, want.span, layout, value.write(rows, edited, want.step))
             except Exception as error:  # one request's failure must not stop the engine
                 self.store.fail(want.key, f"{want.op['op']} at {location}: "
@@ -163,18 +181,48 @@ class Runtime:
         return self.store.error(key)
 
 
-def _delta(want: Want, current: torch.Tensor, token_axis: int | None) -> torch.Tensor:
-    """`scale * vector`, broadcast over `current`, zero on rows the op's filters leave out."""
+def _edited(want: Want, current: torch.Tensor, token_axis: int | None,
+            layout: tuple[str, ...]) -> torch.Tensor:
+    """The value after the want's edit op, on the rows its `positions`/`steps` keep."""
     op = want.op
-    vector = tensor_from_data(op["vector"]).to(current.dtype) * op["scale"]
-    delta = vector.expand_as(current).clone()
-    if token_axis is not None and (op.get("positions") is not None or op.get("steps") != "all"):
-        keep = _position_filter(op, want.step.prompt_length)
-        first = want.span.first_position
-        for offset in range(current.shape[token_axis]):
-            if not keep(first + offset):
-                delta.select(token_axis, offset).zero_()
-    return delta
+    kind = op["op"]
+    if kind == "add":
+        edited = current + tensor_from_data(op["vector"]).to(current.dtype) * op["scale"]
+    elif kind == "set":
+        edited = tensor_from_data(op["value"]).to(current.dtype).expand_as(current).clone()
+    elif kind == "scale":
+        edited = current * op["factor"]
+    elif kind == "zero":
+        edited = current.clone()
+        if op.get("heads") is None:
+            edited.zero_()
+        else:
+            if "heads" not in layout and "kv_heads" not in layout:
+                raise ValueError(f"Zero(heads=...) needs a value with a heads axis, not "
+                                 f"[{' '.join(layout)}]")
+            axis = layout.index("heads" if "heads" in layout else "kv_heads")
+            edited.index_fill_(axis, torch.tensor(op["heads"], dtype=torch.long), 0.0)
+    elif kind == "project_out":
+        direction = tensor_from_data(op["direction"]).to(current.dtype)
+        unit = direction / direction.norm()
+        edited = current - (current @ unit).unsqueeze(-1) * unit
+    else:
+        raise ValueError(f"unknown op {kind!r}")
+    return _only_kept_rows(want, current, edited, token_axis)
+
+
+def _only_kept_rows(want: Want, current: torch.Tensor, edited: torch.Tensor,
+                    token_axis: int | None) -> torch.Tensor:
+    """`edited` where the op's `positions`/`steps` keep the row, `current` elsewhere."""
+    op = want.op
+    if token_axis is None or (op.get("positions") is None and op.get("steps", "all") == "all"):
+        return edited
+    keep = _position_filter(op, want.step.prompt_length)
+    first = want.span.first_position
+    for offset in range(current.shape[token_axis]):
+        if not keep(first + offset):
+            edited.select(token_axis, offset).copy_(current.select(token_axis, offset))
+    return edited
 
 
 def _token_axis(value: Value) -> int | None:

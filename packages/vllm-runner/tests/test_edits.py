@@ -1,0 +1,122 @@
+"""Set, Scale, Zero and ProjectOut: each equals transformers with the same edit done by hand —
+the same greedy tokens and the same log-probabilities of the chosen tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GENERATED, PROMPTS
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+
+GENERATOR = torch.Generator().manual_seed(11)
+VECTOR = torch.randn(128, generator=GENERATOR)
+DIRECTION = torch.randn(128, generator=GENERATOR)
+
+
+def _output_edit(fn):
+    """A forward hook applying `fn` to a module's (first) output."""
+    def hook(module, args, output):
+        if isinstance(output, tuple):
+            return (fn(output[0]), *output[1:])
+        return fn(output)
+    return hook
+
+
+def _input_edit(fn):
+    """A forward pre-hook applying `fn` to a module's first argument."""
+    def pre_hook(module, args):
+        return (fn(args[0]), *args[1:])
+    return pre_hook
+
+
+def _zero_heads(heads: list[int], head_dim: int = 32):
+    def edit(x):
+        x = x.clone()
+        for head in heads:
+            x[..., head * head_dim:(head + 1) * head_dim] = 0
+        return x
+    return edit
+
+
+def _project_out(x):
+    unit = DIRECTION / DIRECTION.norm()
+    return x - (x @ unit).unsqueeze(-1) * unit
+
+
+CASES = {
+    "scale": (ops.Scale("layers.1.layer_output", 0.5),
+              lambda m: m.model.layers[1].register_forward_hook(_output_edit(lambda x: x * 0.5))),
+    "set": (ops.Set("layers.1.mlp.mlp_output", VECTOR),
+            lambda m: m.model.layers[1].mlp.register_forward_hook(
+                _output_edit(lambda x: VECTOR.expand_as(x)))),
+    "zero-heads": (ops.Zero("layers.1.self_attn.attention_head_outputs", heads=(1, 3)),
+                   lambda m: m.model.layers[1].self_attn.o_proj.register_forward_pre_hook(
+                       _input_edit(_zero_heads([1, 3])))),
+    "zero-neurons": (ops.Zero("layers.0.mlp_neurons"),
+                     lambda m: m.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+                         _input_edit(torch.zeros_like))),
+    "project-out": (ops.ProjectOut("layers.2.layer_output", DIRECTION),
+                    lambda m: m.model.layers[2].register_forward_hook(_output_edit(_project_out))),
+}
+
+
+@torch.no_grad()
+def transformers_run(model, prompt: list[int], install) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probabilities with the hand-made edit installed."""
+    handle = install(model)
+    try:
+        tokens, logprobs = list(prompt), []
+        for _ in range(GENERATED):
+            scores = model(torch.tensor([tokens])).logits[0, -1].log_softmax(-1)
+            tokens.append(int(scores.argmax()))
+            logprobs.append(float(scores.max()))
+        return tokens[len(prompt):], logprobs
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_edit_equals_transformers_by_hand(llm, reference, name) -> None:
+    op, install = CASES[name]
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, logprobs=0)
+    (edited, plain) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])] * 2, params,
+                                   interventions=[[op], []], use_tqdm=False)
+    assert edited.error is None
+    tokens, logprobs = transformers_run(reference, PROMPTS[1], install)
+    completion = edited.outputs[0]
+    assert list(completion.token_ids) == tokens
+    chosen = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
+    assert torch.allclose(torch.tensor(chosen), torch.tensor(logprobs), atol=1e-4)
+    plain_logprobs = [step[token].logprob for step, token in
+                      zip(plain.outputs[0].logprobs, plain.outputs[0].token_ids, strict=True)]
+    assert plain_logprobs != chosen, "the edit had no effect"
+
+
+def test_skip_makes_a_layer_pass_its_input_through_for_one_request(llm, reference) -> None:
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0)
+    skipped, plain = llm.generate(
+        [TokensPrompt(prompt_token_ids=PROMPTS[0]), TokensPrompt(prompt_token_ids=PROMPTS[0])],
+        params, interventions=[[ops.Skip(1), ops.Save("layers.*.layer_output")],
+                               [ops.Save("layers.*.layer_output")]], use_tqdm=False)
+    assert skipped.error is None
+    # The skipped layer's output is its input: layer 0's output.
+    assert torch.equal(skipped.saved["layers.1.layer_output"],
+                       skipped.saved["layers.0.layer_output"])
+    assert not torch.allclose(plain.saved["layers.1.layer_output"],
+                              plain.saved["layers.0.layer_output"])
+
+    def identity(module, args, kwargs, output):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    handle = reference.model.layers[1].register_forward_hook(identity, with_kwargs=True)
+    try:
+        tokens = list(PROMPTS[0])
+        with torch.no_grad():
+            for _ in range(GENERATED):
+                tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+    finally:
+        handle.remove()
+    assert list(skipped.outputs[0].token_ids) == tokens[len(PROMPTS[0]):]
