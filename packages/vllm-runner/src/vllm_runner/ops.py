@@ -154,4 +154,25 @@ class Skip:
         return {"op": "skip", "location": self.location}
 
 
-Op = Save | Add | Set | Scale | Zero | ProjectOut | Skip
+@dataclass(frozen=True)
+class Call:
+    """Run `fn(value, ctx)` on this request's value at `location`, each step it runs.
+
+    `value` is a private copy in the value's layout (lease semantics): keep it as long as you
+    like — the engine never overwrites it — and edit it in place or return a replacement; either
+    change is written back to this request's rows only. `ctx` has `location`, `positions`
+    (absolute position of each row) and `prompt_length`. The function is cloudpickled, so it
+    runs in the worker process; what it keeps lives there (save values with `Save`).
+    """
+
+    location: str
+    fn: Any = field(repr=False)
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args` (the function as cloudpickled bytes)."""
+        import cloudpickle
+
+        return {"op": "call", "location": self.location, "fn": cloudpickle.dumps(self.fn)}
+
+
+Op = Save | Add | Set | Scale | Zero | ProjectOut | Skip | Call

@@ -28,6 +28,15 @@ PER_SAMPLED_ROW = ("logits", "next_token_probs")
 
 
 @dataclass(frozen=True)
+class CallContext:
+    """What a `Call` function learns about the rows it is given."""
+
+    location: str
+    positions: torch.Tensor
+    prompt_length: int
+
+
+@dataclass(frozen=True)
 class Want:
     """One request waiting for one value this step."""
 
@@ -50,6 +59,8 @@ class Runtime:
         self._wants: dict[str, list[Want]] = {}
         # Within one forward: a skipped layer's input rows, per (request key, layer input).
         self._skipped: dict[tuple[str, str], torch.Tensor] = {}
+        # Unpickled `Call` functions per request key (unpickled once, not every step).
+        self._functions: dict[str, dict[int, Any]] = {}
 
     def resolve(self, pattern: str) -> list[str]:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
@@ -144,7 +155,9 @@ class Runtime:
             try:
                 rows = narrow(raw, want.span, layout)
                 current = value.read(rows, want.step)
-                if want.op["op"] == "save":
+                if want.op["op"] == "call":
+                    self._call(want, value, raw, rows, location)
+                elif want.op["op"] == "save":
                     self.store.save(want.key, location, want.span.first_position, current,
                                     token_axis)
                 elif want.op["op"] == "skip":
@@ -162,6 +175,28 @@ class Runtime:
                 self.store.fail(want.key, f"{want.op['op']} at {location}: "
                                           f"{type(error).__name__}: {error}")
 
+    def _call(self, want: Want, value: Value, raw: Any, rows: Any, location: str) -> None:
+        """Lend the value to user code and write back what it changed (a lease)."""
+        import pickle
+
+        # A copy made outside inference mode keeps a version counter, so in-place edits show.
+        with torch.inference_mode(False):
+            lent = value.read(rows, want.step)
+        version = lent._version
+        fn = self._functions.get(want.key, {}).get(id(want.op))
+        if fn is None:
+            fn = pickle.loads(want.op["fn"])
+            self._functions.setdefault(want.key, {})[id(want.op)] = fn
+        context = CallContext(location, want.span.positions(), want.step.prompt_length)
+        result = fn(lent, context)
+        if result is not None and result is not lent:
+            edited = result
+        elif lent._version != version:
+            edited = lent
+        else:
+            return  # untouched: nothing is written
+        widen(raw, want.span, self._layout, value.write(rows, edited, want.step))
+
     # ------------------------------------------------------------------ collection
 
     def collect(self, key: str, computed: int, prompt_length: int,
@@ -177,7 +212,8 @@ class Runtime:
         return self.store.collect(key, computed, filters)
 
     def error(self, key: str) -> str | None:
-        """Why a request's program failed, or `None`."""
+        """Why a request's program failed, or `None`; forgets the request's functions too."""
+        self._functions.pop(key, None)
         return self.store.error(key)
 
 

@@ -1,0 +1,65 @@
+"""Call: user code gets a private copy it may keep, and its edits reach only its own request."""
+
+from __future__ import annotations
+
+import torch
+from conftest import GENERATED, PROMPTS
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+
+LOCATION = "layers.1.layer_output"
+KEPT: list[torch.Tensor] = []  # in-process engine: the worker runs in this process
+
+
+def keep(value, ctx):
+    KEPT.append(value)
+
+
+def halve(value, ctx):
+    value.mul_(0.5)  # in place: the lease writes it back
+
+
+def replace_with_half(value, ctx):
+    return value * 0.5
+
+
+def fail(value, ctx):
+    raise RuntimeError("user code failed")
+
+
+def run(llm, programs):
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, logprobs=0)
+    prompts = [TokensPrompt(prompt_token_ids=PROMPTS[1]) for _ in programs]
+    return llm.generate(prompts, params, interventions=programs, use_tqdm=False)
+
+
+def test_kept_values_are_private_and_equal_what_save_returns(llm) -> None:
+    KEPT.clear()
+    (output,) = run(llm, [[ops.Call(LOCATION, keep), ops.Save(LOCATION)]])
+    kept = torch.cat(KEPT, dim=1)  # one copy per step; later layers and steps left them alone
+    assert torch.equal(kept[:, : output.saved[LOCATION].shape[1]], output.saved[LOCATION])
+
+
+def test_in_place_and_returned_edits_equal_scale(llm) -> None:
+    in_place, returned, scaled, plain = run(llm, [
+        [ops.Call(LOCATION, halve)], [ops.Call(LOCATION, replace_with_half)],
+        [ops.Scale(LOCATION, 0.5)], []])
+    expected = list(scaled.outputs[0].token_ids)
+    assert list(in_place.outputs[0].token_ids) == expected
+    assert list(returned.outputs[0].token_ids) == expected
+    logprob = [step[token].logprob for step, token in
+               zip(scaled.outputs[0].logprobs, expected, strict=True)]
+    for output in (in_place, returned):
+        got = [step[token].logprob for step, token in
+               zip(output.outputs[0].logprobs, expected, strict=True)]
+        assert torch.allclose(torch.tensor(got), torch.tensor(logprob), atol=1e-5)
+    assert plain.outputs[0].logprobs[0] != scaled.outputs[0].logprobs[0]
+
+
+def test_a_raising_call_fails_only_its_request(llm) -> None:
+    failing, plain = run(llm, [[ops.Call(LOCATION, fail)], []])
+    assert "RuntimeError: user code failed" in failing.error
+    assert plain.error is None
+    (again,) = run(llm, [[]])
+    assert list(again.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
