@@ -175,4 +175,25 @@ class Call:
         return {"op": "call", "location": self.location, "fn": cloudpickle.dumps(self.fn)}
 
 
-Op = Save | Add | Set | Scale | Zero | ProjectOut | Skip | Call
+@dataclass(frozen=True)
+class Lens:
+    """A logit lens inside the engine: project the residual value at `location` through the
+    model's final norm and unembedding, and save only the top-k tokens and probabilities.
+
+    `saved[f"{location}.lens_tokens"]` and `saved[f"{location}.lens_probs"]` are
+    `[1, positions, top_k]`; no hidden state leaves the worker.
+    """
+
+    location: str
+    top_k: int = 10
+    positions: tuple[int, ...] | None = None
+    steps: Steps = "all"
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args`."""
+        return {"op": "lens", "location": self.location, "top_k": int(self.top_k),
+                "positions": None if self.positions is None else list(self.positions),
+                "steps": self.steps}
+
+
+Op = Save | Add | Set | Scale | Zero | ProjectOut | Skip | Call | Lens

@@ -155,7 +155,9 @@ class Runtime:
             try:
                 rows = narrow(raw, want.span, layout)
                 current = value.read(rows, want.step)
-                if want.op["op"] == "call":
+                if want.op["op"] == "lens":
+                    self._lens(want, current, location)
+                elif want.op["op"] == "call":
                     self._call(want, value, raw, rows, location)
                 elif want.op["op"] == "save":
                     self.store.save(want.key, location, want.span.first_position, current,
@@ -174,6 +176,17 @@ class Runtime:
             except Exception as error:  # one request's failure must not stop the engine
                 self.store.fail(want.key, f"{want.op['op']} at {location}: "
                                           f"{type(error).__name__}: {error}")
+
+    def _lens(self, want: Want, current: torch.Tensor, location: str) -> None:
+        """Top-k next-token probabilities of a residual value, through the model's own final
+        norm and `compute_logits` (which applies its unembedding, scale and soft-cap)."""
+        model = self.standard.module
+        norm = model.get_submodule(self.standard.family.norm)
+        logits = model.compute_logits(norm(current[0]))
+        probabilities, tokens = logits.float().softmax(-1).topk(want.op["top_k"], dim=-1)
+        first = want.span.first_position
+        self.store.save(want.key, f"{location}.lens_tokens", first, tokens.unsqueeze(0), 1)
+        self.store.save(want.key, f"{location}.lens_probs", first, probabilities.unsqueeze(0), 1)
 
     def _call(self, want: Want, value: Value, raw: Any, rows: Any, location: str) -> None:
         """Lend the value to user code and write back what it changed (a lease)."""
@@ -204,11 +217,14 @@ class Runtime:
         """A request's saves, trimmed to its final output and filtered by its ops."""
         filters = {}
         for op in ops:
-            if op["op"] != "save":
+            if op["op"] not in ("save", "lens"):
                 continue
             keep = _position_filter(op, prompt_length)
             for location in self.resolve(op["location"]):
-                filters[location] = keep
+                if op["op"] == "save":
+                    filters[location] = keep
+                else:
+                    filters[f"{location}.lens_tokens"] = filters[f"{location}.lens_probs"] = keep
         return self.store.collect(key, computed, filters)
 
     def error(self, key: str) -> str | None:
