@@ -92,3 +92,11 @@ def test_unknown_location_is_refused_before_anything_runs(llm) -> None:
     with pytest.raises(LocationError, match="layer 7 does not exist"):
         llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(max_tokens=1),
                      interventions=[ops.Save("layers.7.layer_output")], use_tqdm=False)
+
+
+def test_support_lists_every_value_with_reasons(llm) -> None:
+    support = llm.support()
+    assert support["layers.2.layer_output"] is None
+    assert support["layers.0.self_attn.attention_queries"] is None
+    assert "gated" in support["layers.1.mlp.mlp_activation"]
+    assert len(support) == 3 + 3 * 15  # model values + 15 per layer

@@ -63,6 +63,12 @@ class LLM:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
+    def support(self) -> dict[str, str | None]:
+        """Every value of the served model by canonical location → `None` if it can be read
+        (and, unless derived, written), else the reason it cannot. Runs nothing."""
+        (answer, *_) = self.engine.collective_rpc("interp_support")
+        return answer
+
     def _check_locations(self, programs: list[list[Op]]) -> None:
         patterns = sorted({f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
                            for ops in programs for op in ops})

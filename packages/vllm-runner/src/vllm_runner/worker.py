@@ -82,6 +82,10 @@ class WorkerRPC:
             for request in requests
         })
 
+    def interp_support(self) -> dict[str, str | None]:
+        """Every value of the model → `None` if available, else the reason. Runs nothing."""
+        return self.model_runner.interp.standard.support()
+
     def interp_drop(self, keys: list[str]) -> None:
         """Free the saves of requests that will never be collected."""
         self.model_runner.interp.store.drop(keys)
