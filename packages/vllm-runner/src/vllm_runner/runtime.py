@@ -91,12 +91,12 @@ class Runtime:
         batch = runner.input_batch
         count = batch.num_reqs
         programs = []
-        for index, request_id in enumerate(batch.req_ids[:count]):
+        for request_id in batch.req_ids[:count]:
             state = runner.requests.get(request_id)
             params = getattr(state, "sampling_params", None)
             program = program_of(params.extra_args if params is not None else None)
             if program is not None:
-                programs.append((index, request_id, state, program))
+                programs.append((request_id, state, program))
         if not programs:
             self._layout, self._wants = None, {}
             self._sync_hooks()
@@ -107,7 +107,7 @@ class Runtime:
         layout = StepLayout.from_offsets(batch.req_ids[:count], offsets, firsts.tolist(),
                                          padded_total=int(positions.shape[0]))
         wants: dict[str, list[Want]] = defaultdict(list)
-        for _, request_id, state, program in programs:
+        for request_id, state, program in programs:
             span = layout[request_id]
             step = Step(span.first_position, len(span), len(state.prompt_token_ids))
             for op in program["ops"]:
