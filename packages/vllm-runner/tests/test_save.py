@@ -100,3 +100,16 @@ def test_support_lists_every_value_with_reasons(llm) -> None:
     assert support["layers.0.self_attn.attention_queries"] is None
     assert "gated" in support["layers.1.mlp.mlp_activation"]
     assert len(support) == 3 + 3 * 15  # model values + 15 per layer
+
+
+def test_a_repeated_program_still_sees_its_whole_prompt(llm) -> None:
+    # The second run could hit the prefix cache its twin filled; it must recompute the prompt.
+    prompt = [(5 * i + 1) % 256 for i in range(70)]  # two whole 32-token KV blocks
+    program = [ops.Save("layers.0.layer_output")]
+    runs = [llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                         SamplingParams(max_tokens=2, temperature=0.0),
+                         interventions=program, use_tqdm=False)[0] for _ in range(2)]
+    for output in runs:
+        assert output.saved["layers.0.layer_output"].shape[1] == len(prompt) + 1
+    assert torch.equal(runs[0].saved["layers.0.layer_output"],
+                       runs[1].saved["layers.0.layer_output"])

@@ -3,7 +3,8 @@
 All of vLLM's engine arguments pass through. Two are set for interpretability and explained:
 `enforce_eager=True` (forward hooks do not fire inside compiled graphs or CUDA-graph replays),
 and `worker_cls` (the worker that runs programs). Prompts with a program get a `cache_salt`
-derived from it, so their KV blocks are never shared with requests running a different program.
+derived from it, so their KV blocks are never shared with requests running a different program,
+and never read the prefix cache themselves, so their programs see every prompt row.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ class LLM:
                 salt = hashlib.sha256(json.dumps(program["ops"], sort_keys=True,
                                                  default=_bytes_as_hex).encode())
                 request.setdefault("cache_salt", salt.hexdigest()[:16])
+                # A prefix-cache hit would skip the prompt rows the program must see: requests
+                # with a program always recompute their prompt (they still feed the cache).
+                param.skip_reading_prefix_cache = True
             requests.append(request)
             params.append(param)
             keys.append(key)
