@@ -14,6 +14,12 @@ import torch
 Steps = Literal["all", "prefill", "decode"]
 
 
+def _where(op: Any) -> dict[str, Any]:
+    """The `positions` and `steps` filters of an op, as plain data."""
+    positions = None if op.positions is None else list(op.positions)
+    return {"positions": positions, "steps": op.steps}
+
+
 @dataclass(frozen=True)
 class Save:
     """Save the value at `location` for this request, at every position it runs through.
@@ -31,8 +37,7 @@ class Save:
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "save", "location": self.location,
-                "positions": None if self.positions is None else list(self.positions),
-                "steps": self.steps}
+                **_where(self)}
 
 
 def tensor_to_data(tensor: torch.Tensor) -> dict[str, Any]:
@@ -64,8 +69,7 @@ class Add:
         """Plain data for `SamplingParams.extra_args` (the vector as bytes)."""
         return {"op": "add", "location": self.location, "vector": tensor_to_data(self.vector),
                 "scale": float(self.scale),
-                "positions": None if self.positions is None else list(self.positions),
-                "steps": self.steps}
+                **_where(self)}
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,7 @@ class Set:
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "set", "location": self.location, "value": tensor_to_data(self.value),
-                "positions": None if self.positions is None else list(self.positions),
-                "steps": self.steps}
+                **_where(self)}
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,7 @@ class Scale:
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "scale", "location": self.location, "factor": float(self.factor),
-                "positions": None if self.positions is None else list(self.positions),
-                "steps": self.steps}
+                **_where(self)}
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,7 @@ class Zero:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "zero", "location": self.location,
                 "heads": None if self.heads is None else list(self.heads),
-                "positions": None if self.positions is None else list(self.positions),
-                "steps": self.steps}
+                **_where(self)}
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,7 @@ class ProjectOut:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "project_out", "location": self.location,
                 "direction": tensor_to_data(self.direction),
-                "positions": None if self.positions is None else list(self.positions),
-                "steps": self.steps}
+                **_where(self)}
 
 
 @dataclass(frozen=True)
@@ -192,8 +192,7 @@ class Lens:
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "lens", "location": self.location, "top_k": int(self.top_k),
-                "positions": None if self.positions is None else list(self.positions),
-                "steps": self.steps}
+                **_where(self)}
 
 
 Op = Save | Add | Set | Scale | Zero | ProjectOut | Skip | Call | Lens

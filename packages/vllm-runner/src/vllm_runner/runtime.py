@@ -17,6 +17,7 @@ from tokenspan import Span, StepLayout, narrow, widen
 from torch import nn
 from vllm_envoys import Call, Step, Value, standardize
 
+from vllm_runner.errors import LocationError
 from vllm_runner.locations import resolve
 from vllm_runner.ops import tensor_from_data
 from vllm_runner.program import program_of
@@ -69,8 +70,6 @@ class Runtime:
             found = resolve(pattern, self.values, len(self.standard.layers))
             unsupported = [loc for loc in found if loc in PER_SAMPLED_ROW]
             if unsupported:
-                from vllm_runner.errors import LocationError
-
                 raise LocationError(
                     f"{pattern!r}: {', '.join(unsupported)} are per sampled row and not yet "
                     "served by the runner; save the last layer's layer_output instead")
