@@ -12,7 +12,10 @@ is found only through pip's configuration on our machines (see `constraints.txt`
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -70,6 +73,21 @@ def _test_group(package_dir: Path) -> list[str]:
     return []
 
 
+@contextlib.contextmanager
+def _discarded_afterwards(session: nox.Session):
+    """Delete the session's environment when it ends, if `NOX_DISCARD_VENVS=1` asks for it.
+
+    Each environment that holds vLLM weighs about 3.5 GB (vLLM, torch and triton); a CI machine
+    with a small disk cannot keep five of them at once, and a crashed session must not leave its
+    environment behind either. Developers leave the variable unset and keep their environments.
+    """
+    try:
+        yield
+    finally:
+        if os.environ.get("NOX_DISCARD_VENVS") == "1" and session.virtualenv.location:
+            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def _install(session: nox.Session, *requirements: str) -> None:
     session.install("--constraint", str(CONSTRAINTS), *requirements)
     session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *CUDA_ONLY_COMPANIONS)
@@ -79,6 +97,11 @@ def _install(session: nox.Session, *requirements: str) -> None:
 @nox.parametrize("package", [*_package_dirs(), CROSS_PACKAGE])
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in an environment with only what it declares."""
+    with _discarded_afterwards(session):
+        _run_tests(session, package)
+
+
+def _run_tests(session: nox.Session, package: str) -> None:
     packages = _package_dirs()
     if package == CROSS_PACKAGE:
         group = ["--group", f"{ROOT / 'pyproject.toml'}:test"]
