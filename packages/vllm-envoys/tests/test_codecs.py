@@ -65,6 +65,20 @@ def test_reads_are_private_copies(fused: FusedLayer) -> None:
     assert torch.count_nonzero(queries) > 0
 
 
+def test_views_share_the_engine_rows_where_the_value_is_not_computed(fused) -> None:
+    raw = qkv(3)
+    attention = fused.self_attn
+    for value in (attention.attention_queries, attention.attention_values):
+        view = value.view(raw)
+        assert torch.equal(view, value.read(raw))
+        view.mul_(2.0)  # lands in the engine's tensor at once
+        assert torch.equal(value.read(raw), view)
+    hidden, residual = torch.randn(3, 128), torch.randn(3, 128)
+    assert fused.layer_input.view(Call((None, hidden, residual), {})) is None  # a sum
+    assert fused.layer_input.view(Call((None, hidden, None), {})).data_ptr() == hidden.data_ptr()
+    assert attention.attention_probabilities.view(raw, Step(0, 3, 3)) is None  # recomputed
+
+
 def test_wrong_shape_write_is_refused_and_a_read_written_back_is_unchanged(fused) -> None:
     raw = qkv(3)
     queries = fused.self_attn.attention_queries

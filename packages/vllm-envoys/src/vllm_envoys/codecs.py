@@ -33,6 +33,14 @@ class Codec:
         """The shape `decode` gives, without copying anything."""
         raise NotImplementedError
 
+    def view(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+        """The value as a view of the raw rows (in-place edits land in the engine at once), or
+        `None` when it is computed from them and cannot be one (a sum, a softmax, a pattern).
+
+        For the `view` read mode: it saves a copy, at the price of values that later in-place
+        kernels may overwrite."""
+        return None
+
 
 class Rows(Codec):
     """A `[tokens, width]` tensor served as `[1, tokens, width]`.
@@ -54,6 +62,11 @@ class Rows(Codec):
 
     def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         return tuple(piece.shape) if self.batched else (1, *piece.shape)
+
+    def view(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+        if not self.writable:
+            return None
+        return piece if self.batched else piece.unsqueeze(0)
 
 
 class Stream(Codec):
@@ -86,6 +99,10 @@ class Stream(Codec):
     def shape(self, piece: Any, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         return (1, *self._halves(piece)[0].shape)
 
+    def view(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+        hidden, residual = self._halves(piece)
+        return hidden.unsqueeze(0) if residual is None else None  # two halves sum to a copy
+
 
 class Heads(Codec):
     """A `[tokens, heads * head_dim]` tensor split into heads by the module's own head size.
@@ -117,6 +134,13 @@ class Heads(Codec):
     def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
         tokens, heads, size = self._split(piece, module).shape
         return (1, heads, tokens, size) if self.heads_first else (1, tokens, heads, size)
+
+    def view(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+        try:
+            heads = piece.view(piece.shape[0], -1, self.head_dim(module))
+        except RuntimeError:  # rows laid out so that no view splits them into heads
+            return None
+        return (heads.transpose(0, 1) if self.heads_first else heads).unsqueeze(0)
 
 
 class Probabilities(Rows):

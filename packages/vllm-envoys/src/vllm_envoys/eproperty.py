@@ -145,6 +145,15 @@ class Value:
         module = self.module
         return self.eproperty.codec.decode(self.eproperty.site.get(raw, module), module, self.host)
 
+    def view(self, raw: Any, step: Step | None = None) -> torch.Tensor | None:
+        """The value as a view of one request's raw rows, or `None` if it can only be a copy.
+
+        In-place edits of a view reach the engine at once; a view may be overwritten by the
+        engine's later in-place kernels, so code that keeps it should `read` instead."""
+        self._check(step)
+        module = self.module
+        return self.eproperty.codec.view(self.eproperty.site.get(raw, module), module, self.host)
+
     def write(self, raw: Any, value: torch.Tensor, step: Step | None = None) -> Any:
         """New raw rows carrying `value`; refused, before anything changes, if it does not fit."""
         self._check(step)
