@@ -57,6 +57,22 @@ def test_in_place_and_returned_edits_equal_scale(llm) -> None:
     assert plain.outputs[0].logprobs[0] != scaled.outputs[0].logprobs[0]
 
 
+def test_read_modes(llm) -> None:
+    """`view` edits land in place; `copy` writes back only a returned replacement."""
+    queries = "layers.1.attention_queries"
+    view, copy_in_place, copy_returned, scaled, plain = run(llm, [
+        [ops.Call(queries, halve, reads="view")], [ops.Call(queries, halve, reads="copy")],
+        [ops.Call(queries, replace_with_half, reads="copy")], [ops.Scale(queries, 0.5)], []])
+
+    def logprobs(output):
+        return [{t: lp.logprob for t, lp in step.items()} for step in output.outputs[0].logprobs]
+
+    assert logprobs(scaled) != logprobs(plain), "the edit does nothing; the test proves nothing"
+    assert logprobs(view) == logprobs(scaled) == logprobs(copy_returned)
+    assert logprobs(copy_in_place) == logprobs(plain)
+    assert all(o.error is None for o in (view, copy_in_place, copy_returned))
+
+
 def test_a_raising_call_fails_only_its_request(llm) -> None:
     failing, plain = run(llm, [[ops.Call(LOCATION, fail)], []])
     assert "RuntimeError: user code failed" in failing.error

@@ -1,5 +1,6 @@
 """Programs and saves cross process boundaries: vLLM's default multiprocess engine (client,
-engine core and worker in separate processes) gives the same saves as the in-process one."""
+engine core and worker in separate processes) gives the same saves as the in-process one, and
+an engine-wide read mode set on the client (`LLM(interp_reads=)`) reaches the worker process."""
 
 from __future__ import annotations
 
@@ -20,14 +21,21 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
 
+def halve(value, ctx):
+    value.mul_(0.5)  # in place: in "copy" read mode this never reaches the engine
+
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32",
-              gpu_memory_utilization=0.15, max_model_len=128, seed=0)
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[2]))],
-                          SamplingParams(max_tokens=3, temperature=0.0),
-                          interventions=[ops.Save("layers.1.layer_output")], use_tqdm=False)
-    saved = out.saved["layers.1.layer_output"]
-    print("RESULT", json.dumps({"shape": list(saved.shape), "values": saved.flatten().tolist()}))
+              gpu_memory_utilization=0.15, max_model_len=128, seed=0, interp_reads="copy")
+    location = "layers.1.layer_output"
+    (out, copied) = llm.generate(
+        [TokensPrompt(prompt_token_ids=json.loads(sys.argv[2]))] * 2,
+        SamplingParams(max_tokens=3, temperature=0.0),
+        interventions=[[ops.Save(location)], [ops.Call(location, halve), ops.Save(location)]],
+        use_tqdm=False)
+    saved = out.saved[location]
+    print("RESULT", json.dumps({"shape": list(saved.shape), "values": saved.flatten().tolist(),
+                                "copied": torch.equal(copied.saved[location], saved)}))
 """
 
 
@@ -46,3 +54,4 @@ def test_multiprocess_engine_gives_the_same_saves(llm, model_dir: str) -> None:
     assert result["shape"] == list(expected.shape) == [1, len(PROMPTS[0]) + 2, 128]
     assert torch.allclose(torch.tensor(result["values"]).reshape(expected.shape), expected,
                           atol=1e-5)
+    assert result["copied"], "interp_reads='copy' did not reach the worker: an in-place edit landed"

