@@ -27,7 +27,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
                 parameter.normal_(0.0, 0.08)
     path = tmp_path_factory.mktemp("llama")
     model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def byte_tokenizer():
+    """A tokenizer with one token per byte (ids 0-255, the model's vocabulary) and a chat
+    template, built here because no tokenizer can be downloaded."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=alphabet[2])
+    wrapped.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+                             "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    return wrapped
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +62,6 @@ def llm(model_dir: str, reference):  # the reference loads first; the engine the
 
     # An 8-token budget makes the prompts share steps and spreads the longest over three; 32-token
     # KV blocks (the CPU kernel's smallest) let prompts of a few dozen tokens share cache blocks.
-    return LLM(model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
+    return LLM(model_dir, dtype="float32", gpu_memory_utilization=0.15,
                max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32,
                seed=0)

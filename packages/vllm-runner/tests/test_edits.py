@@ -1,5 +1,5 @@
-"""Set, Scale, Zero and ProjectOut: each equals transformers with the same edit done by hand —
-the same greedy tokens and the same log-probabilities of the chosen tokens."""
+"""Set, Scale, Zero, ProjectOut, Skip and edits of the logits: each equals transformers with the
+same edit done by hand — the same greedy tokens and log-probabilities of the chosen tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from vllm_runner import ops
 GENERATOR = torch.Generator().manual_seed(11)
 VECTOR = torch.randn(128, generator=GENERATOR)
 DIRECTION = torch.randn(128, generator=GENERATOR)
+LOGIT_SHIFT = torch.randn(256, generator=GENERATOR) * 3
 
 
 def _output_edit(fn):
@@ -59,6 +60,10 @@ CASES = {
                          _input_edit(torch.zeros_like))),
     "project-out": (ops.ProjectOut("layers.2.layer_output", DIRECTION),
                     lambda m: m.model.layers[2].register_forward_hook(_output_edit(_project_out))),
+    # The sampler and the logprobs see the edited logits.
+    "add-logits": (ops.Add("logits", LOGIT_SHIFT),
+                   lambda m: m.lm_head.register_forward_hook(
+                       _output_edit(lambda x: x + LOGIT_SHIFT))),
 }
 
 

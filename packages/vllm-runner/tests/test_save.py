@@ -38,6 +38,7 @@ def transformers_values(model, tokens: list[int]) -> dict[str, torch.Tensor]:
     for i, pattern in enumerate(output.attentions):
         values[f"layers.{i}.self_attn.attention_probabilities"] = pattern
     values["next"] = output.logits[0, -1]
+    values["logits"] = output.logits
     return values
 
 
@@ -53,7 +54,7 @@ def greedy(model, prompt: list[int], count: int) -> list[int]:
 def run(llm):
     programs = [
         [ops.Save("layers.*.layer_output"), ops.Save("layers.0.attention_probabilities")],
-        [ops.Save("layers.1.mlp_neurons")],
+        [ops.Save("layers.1.mlp_neurons"), ops.Save("logits"), ops.Save("next_token_probs")],
         [],
     ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
@@ -70,6 +71,18 @@ def test_saves_equal_transformers_on_prompt_and_generated_positions(run, referen
         close(output.saved[location], expected, f"request {index} {location}")
     assert set(run[0].saved) == {f"layers.{i}.layer_output" for i in range(3)} | {
         "layers.0.self_attn.attention_probabilities"}
+
+
+def test_logits_are_saved_once_per_generated_token(run, reference) -> None:
+    # Request 1's prompt spans two steps: the first chunk's logits are not sampled, not saved.
+    output = run[1]
+    generated = list(output.outputs[0].token_ids)
+    logits = transformers_values(reference, PROMPTS[1] + generated[:-1])["logits"]
+    expected = logits[:, len(PROMPTS[1]) - 1:]
+    close(output.saved["logits"], expected, "logits")
+    close(output.saved["next_token_probs"], expected.softmax(-1), "next_token_probs")
+    assert output.saved["logits"].shape == (1, GENERATED, 256)
+    assert output.saved["logits"][0].argmax(-1).tolist() == generated
 
 
 def test_pattern_is_saved_from_the_whole_prompt_step(run, reference) -> None:

@@ -9,7 +9,7 @@ come back per request.
 from importlib.metadata import PackageNotFoundError, version
 
 from vllm_runner import ops
-from vllm_runner.errors import InterpError, LocationError, UnsupportedEngine
+from vllm_runner.errors import InterpError, InterventionError, LocationError, UnsupportedEngine
 from vllm_runner.llm import LLM
 
 try:
@@ -17,4 +17,5 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["LLM", "InterpError", "LocationError", "UnsupportedEngine", "__version__", "ops"]
+__all__ = ["LLM", "InterpError", "InterventionError", "LocationError", "UnsupportedEngine",
+           "__version__", "ops"]

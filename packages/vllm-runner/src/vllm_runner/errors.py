@@ -13,3 +13,8 @@ class LocationError(InterpError, ValueError):
 
 class UnsupportedEngine(InterpError, RuntimeError):
     """The engine runs in a way the runner has not been checked against (e.g. the V2 runner)."""
+
+
+class InterventionError(InterpError, RuntimeError):
+    """A request's program failed in the worker (raised by `llm.trace`; `generate` returns the
+    message in `outputs[i].error` instead, so one request's failure never hides the others)."""

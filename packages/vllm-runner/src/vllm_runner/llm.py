@@ -24,6 +24,7 @@ from vllm_runner.ops import Op, Skip
 from vllm_runner.program import EXTRA_ARGS_KEY, encode, new_key
 from vllm_runner.settings import READS_VARIABLE, read_mode
 from vllm_runner.store import from_bytes
+from vllm_runner.trace import Trace
 
 
 def _worker_cls() -> str:
@@ -83,14 +84,31 @@ class LLM:
         (answer, *_) = self.engine.collective_rpc("interp_support")
         return answer
 
-    def _check_locations(self, programs: list[list[Op]]) -> None:
-        patterns = sorted({f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
-                           for ops in programs for op in ops})
-        if not patterns:
-            return
-        (answer, *_) = self.engine.collective_rpc("interp_resolve", args=(patterns,))
+    def resolve(self, patterns: Sequence[str]) -> dict[str, list[str]]:
+        """The canonical locations each pattern names (`layers.*.layer_output` → every layer's),
+        as the keys of `outputs[i].saved` will be; `LocationError` naming the closest valid
+        locations for any pattern that names nothing. Runs nothing."""
+        wanted = sorted(set(patterns))
+        if not wanted:
+            return {}
+        (answer, *_) = self.engine.collective_rpc("interp_resolve", args=(wanted,))
         if answer["errors"]:
             raise LocationError("; ".join(answer["errors"].values()))
+        return answer["resolved"]
+
+    def trace(self, prompt: Any, sampling_params: SamplingParams | None = None,
+              **sampling: Any) -> Trace:
+        """One request in nnsight's style: ops written on `t.model` inside a `with` block run
+        when it ends (see `vllm_runner.trace`). `sampling` builds the `SamplingParams` when none
+        are given, e.g. `llm.trace(prompt, max_tokens=8, temperature=0.0)`."""
+        if sampling_params is not None and sampling:
+            raise TypeError(f"pass sampling_params or sampling keywords ({', '.join(sampling)}), "
+                            "not both")
+        return Trace(self, prompt, sampling_params or SamplingParams(**sampling))
+
+    def _check_locations(self, programs: list[list[Op]]) -> None:
+        self.resolve([f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
+                      for ops in programs for op in ops])
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | None = None,
                  interventions: Sequence[Op] | Sequence[Sequence[Op]] | None = None,
@@ -125,6 +143,37 @@ class LLM:
         outputs = self.engine.generate(requests, params, **kwargs)
         self._attach_saves(outputs, keys, programs)
         return outputs
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | None = None,
+             interventions: Sequence[Op] | Sequence[Sequence[Op]] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+        """Chat like `vllm.LLM.chat` (one conversation or a list of them), running
+        `interventions` as `generate` does.
+
+        The chat template is rendered here, with the engine's tokenizer, into token ids that go
+        through `generate`, so each request keeps its program's cache salt and `positions=`
+        count the rendered template's tokens. Text only: multimodal content is refused.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else (
+            list(messages))
+        tokenizer = self.engine.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            for message in conversation:
+                if not isinstance(message.get("content", ""), str):
+                    raise TypeError("llm.chat with interventions takes text messages only (the "
+                                    f"content of a {message.get('role')!r} message is not a "
+                                    "string)")
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            # The template writes the special tokens itself, as vLLM's own chat does.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, interventions, **kwargs)
 
     @staticmethod
     def _programs(interventions: Any, count: int) -> list[list[Op]]:

@@ -18,7 +18,6 @@ from torch import nn
 from tpfragments import Fragments
 from vllm_envoys import Call, Step, Value, standardize
 
-from vllm_runner.errors import LocationError
 from vllm_runner.locations import resolve
 from vllm_runner.ops import tensor_from_data
 from vllm_runner.program import program_of
@@ -26,9 +25,16 @@ from vllm_runner.settings import read_mode
 from vllm_runner.sharded import ShardedValues
 from vllm_runner.store import SaveStore
 
-# Values whose rows are the sampled rows, not the step's tokens: served once the sampler is
-# integrated.
+# Values whose rows are the sampled rows (one per request, its last row this step), not the
+# step's tokens, served in this order by one hook on the logits processor.
 PER_SAMPLED_ROW = ("logits", "next_token_probs")
+SAMPLER_HOOK = "logits"
+
+
+def _hooked_at(location: str) -> str:
+    """The location whose hook serves `location` (one hook serves every sampled-row value, so
+    reads always follow edits)."""
+    return SAMPLER_HOOK if location in PER_SAMPLED_ROW else location
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,21 @@ class Want:
     op: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Visits:
+    """The rows of one kind of visit this step (tokens, or sampled rows) and who waits there."""
+
+    layout: StepLayout | None
+    wants: dict[str, list[Want]]
+
+
+NOTHING = Visits(None, {})
+
+
+def _rows(raw: Any) -> int:
+    return int(raw.shape[0]) if isinstance(raw, torch.Tensor) else -1
+
+
 class Runtime:
     """Hooks only what this step's programs name, and runs their ops on their own rows."""
 
@@ -65,8 +86,8 @@ class Runtime:
         self.store = SaveStore()
         self._resolved: dict[str, list[str]] = {}
         self._hooks: dict[str, Any] = {}
-        self._layout: StepLayout | None = None
-        self._wants: dict[str, list[Want]] = {}
+        self._tokens = self._sampled = NOTHING
+        self._in_lens = False
         # Within one forward: a skipped layer's input rows, per (request key, layer input).
         self._skipped: dict[tuple[str, str], torch.Tensor] = {}
         # Unpickled `Call` functions per request key (unpickled once, not every step).
@@ -77,11 +98,6 @@ class Runtime:
         found = self._resolved.get(pattern)
         if found is None:
             found = resolve(pattern, self.values, len(self.standard.layers))
-            unsupported = [loc for loc in found if loc in PER_SAMPLED_ROW]
-            if unsupported:
-                raise LocationError(
-                    f"{pattern!r}: {', '.join(unsupported)} are per sampled row and not yet "
-                    "served by the runner; save the last layer's layer_output instead")
             self._resolved[pattern] = found
         return found
 
@@ -106,36 +122,58 @@ class Runtime:
             if program is not None:
                 programs.append((request_id, state, program))
         if not programs:
-            self._layout, self._wants = None, {}
+            self._tokens = self._sampled = NOTHING
             self._sync_hooks()
             return
+        request_ids = batch.req_ids[:count]
         offsets = runner.query_start_loc.np[: count + 1]
         firsts = positions.index_select(0, torch.as_tensor(offsets[:-1], dtype=torch.long,
-                                                           device=positions.device))
-        layout = StepLayout.from_offsets(batch.req_ids[:count], offsets, firsts.tolist(),
+                                                           device=positions.device)).tolist()
+        layout = StepLayout.from_offsets(request_ids, offsets, firsts,
                                          padded_total=int(positions.shape[0]))
-        wants: dict[str, list[Want]] = defaultdict(list)
+        # The logits have one row per request, its last row this step (no speculative decoding).
+        lasts = [first + int(end - start) - 1
+                 for first, start, end in zip(firsts, offsets[:-1], offsets[1:], strict=True)]
+        sampled = StepLayout.from_counts(request_ids, [1] * count, lasts)
+        tokens: dict[str, list[Want]] = defaultdict(list)
+        rows: dict[str, list[Want]] = defaultdict(list)
         for request_id, state, program in programs:
             span = layout[request_id]
-            step = Step(span.first_position, len(span), len(state.prompt_token_ids))
+            prompt_length = len(state.prompt_token_ids)
+            step = Step(span.first_position, len(span), prompt_length)
+            last = sampled[request_id]
+            # A chunk that ends before the prompt does is not sampled: its logits are dropped.
+            is_sampled = last.first_position >= prompt_length - 1
             for op in program["ops"]:
                 for location in self._locations_of(op):
-                    wants[location].append(Want(program["key"], span, step, op))
-        self._layout, self._wants = layout, dict(wants)
+                    if location not in PER_SAMPLED_ROW:
+                        tokens[location].append(Want(program["key"], span, step, op))
+                    elif is_sampled:
+                        rows[location].append(Want(program["key"], last,
+                                                   Step(last.first_position, 1, prompt_length),
+                                                   op))
+        self._tokens = Visits(layout, dict(tokens))
+        self._sampled = Visits(sampled, dict(rows))
         self._sync_hooks()
 
     def end_step(self) -> None:
-        """Forget the step (hooks stay installed while programs keep wanting them)."""
-        self._layout, self._wants = None, {}
+        """Forget the step's token rows (hooks stay installed while programs keep wanting them);
+        the sampled rows wait for the runner's `compute_logits`, which follows the forward."""
+        self._tokens = NOTHING
         self._skipped.clear()
 
     # ------------------------------------------------------------------ hooks
 
     def _sync_hooks(self) -> None:
         """Install hooks for wanted values, remove the rest: unwanted places cost nothing."""
-        for location in [loc for loc in self._hooks if loc not in self._wants]:
+        # An ordered dict, never a set: hooks on one module fire in installation order, and
+        # under tensor parallelism every rank must run its gathers in the same order (a set's
+        # order follows string hashes, which differ between processes).
+        wanted = dict.fromkeys(_hooked_at(loc)
+                               for loc in (*self._tokens.wants, *self._sampled.wants))
+        for location in [loc for loc in self._hooks if loc not in wanted]:
             self._hooks.pop(location).remove()
-        for location in self._wants:
+        for location in wanted:
             if location not in self._hooks:
                 self._hooks[location] = self._install(self.values[location])
 
@@ -154,20 +192,40 @@ class Runtime:
     def _visit(self, location: str, value: Value, raw: Any,
                shard_keys: tuple[str | None, ...] | None) -> None:
         """Serve the step's requests at one hook visit; a sharded value is made whole first."""
-        if self._layout is None:
+        if location == SAMPLER_HOOK:
+            self._visit_sampled(raw)
+            return
+        if not self._tokens.wants.get(location):
             return
         if shard_keys is None:
-            self._serve(location, value, raw)
+            self._serve(location, value, raw, self._tokens)
         else:
             self.sharded.visit(value, shard_keys, raw,
-                               lambda whole: self._serve(location, value, whole))
+                               lambda whole: self._serve(location, value, whole, self._tokens))
 
-    def _serve(self, location: str, value: Value, raw: Any) -> None:
+    def _visit_sampled(self, logits: Any) -> None:
+        """The logits the sampler is about to use: edits first (`logits`), then reads of the
+        edited logits (`next_token_probs`). Only the first `compute_logits` after a forward is
+        the sampler's; later ones (prompt logprobs) and a `Lens` inside the forward are not."""
+        if self._in_lens:
+            return
+        visits, self._sampled = self._sampled, NOTHING
+        for location in PER_SAMPLED_ROW:
+            if visits.wants.get(location):
+                self._serve(location, self.values[location], logits, visits)
+
+    def _serve(self, location: str, value: Value, raw: Any, visits: Visits) -> None:
         """Run every waiting request's op on its own rows; edits are written into the engine's
         tensors in place (tokenspan.widen), only on the request's rows."""
-        layout = self._layout
+        layout = visits.layout
+        if location in PER_SAMPLED_ROW and _rows(raw) != len(layout):
+            for want in visits.wants[location]:
+                self.store.fail(want.key, f"{location}: the sampler got {_rows(raw)} rows for "
+                                          f"{len(layout)} requests (speculative decoding is not "
+                                          "supported with logits ops)")
+            return
         token_axis = _token_axis(value)
-        for want in self._wants.get(location, ()):
+        for want in visits.wants[location]:
             if value.reason(want.step) is not None:
                 continue  # e.g. the pattern outside a whole-prompt step
             try:
@@ -176,7 +234,7 @@ class Runtime:
                 if want.op["op"] == "lens":
                     self._lens(want, current, location)
                 elif want.op["op"] == "call":
-                    self._call(want, value, raw, rows, location)
+                    self._call(want, value, raw, rows, location, layout)
                 elif want.op["op"] == "save" and self.keeps_saves:
                     self.store.save(want.key, location, want.span.first_position, current,
                                     token_axis)
@@ -202,7 +260,11 @@ class Runtime:
         norm and `compute_logits` (which applies its unembedding, scale and soft-cap)."""
         model = self.standard.module
         norm = model.get_submodule(self.standard.family.norm)
-        logits = model.compute_logits(norm(current[0]))
+        self._in_lens = True
+        try:
+            logits = model.compute_logits(norm(current[0]))
+        finally:
+            self._in_lens = False
         probabilities, tokens = logits.float().softmax(-1).topk(want.op["top_k"], dim=-1)
         if not self.keeps_saves:
             return
@@ -210,7 +272,8 @@ class Runtime:
         self.store.save(want.key, f"{location}.lens_tokens", first, tokens.unsqueeze(0), 1)
         self.store.save(want.key, f"{location}.lens_probs", first, probabilities.unsqueeze(0), 1)
 
-    def _call(self, want: Want, value: Value, raw: Any, rows: Any, location: str) -> None:
+    def _call(self, want: Want, value: Value, raw: Any, rows: Any, location: str,
+              layout: StepLayout) -> None:
         """Lend the value to user code in the op's read mode and write back what it changed."""
         import pickle
 
@@ -236,7 +299,7 @@ class Runtime:
             edited = lent
         else:
             return  # untouched: nothing is written
-        widen(raw, want.span, self._layout, value.write(rows, edited, want.step))
+        widen(raw, want.span, layout, value.write(rows, edited, want.step))
 
     # ------------------------------------------------------------------ collection
 

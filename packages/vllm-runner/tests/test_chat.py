@@ -1,0 +1,35 @@
+"""`llm.chat` takes `interventions`: the conversation is rendered to the same tokens vLLM's own
+`chat` gives, and the program runs on them as in `generate`."""
+
+from __future__ import annotations
+
+import torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+
+CONVERSATION = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."}]
+
+
+def test_chat_runs_programs_on_vllms_own_rendering(llm) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    (plain,) = llm.engine.chat(CONVERSATION, params, use_tqdm=False)  # vLLM's own chat
+    (ours,) = llm.chat(CONVERSATION, params, [ops.Save("layers.1.layer_output")],
+                       use_tqdm=False)
+    assert ours.prompt_token_ids == plain.prompt_token_ids
+    assert list(ours.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+    (direct,) = llm.generate([TokensPrompt(prompt_token_ids=plain.prompt_token_ids)], params,
+                             [ops.Save("layers.1.layer_output")], use_tqdm=False)
+    assert torch.equal(ours.saved["layers.1.layer_output"], direct.saved["layers.1.layer_output"])
+    assert ours.saved["layers.1.layer_output"].shape[1] == len(plain.prompt_token_ids) + 2
+
+
+def test_chat_takes_a_list_of_conversations_with_one_program_each(llm) -> None:
+    steer = torch.randn(128, generator=torch.Generator().manual_seed(3)) * 4
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=0)
+    steered, plain = llm.chat([CONVERSATION, CONVERSATION], params,
+                              [[ops.Add("layers.0.layer_output", steer)], []], use_tqdm=False)
+    (alone,) = llm.engine.chat(CONVERSATION, params, use_tqdm=False)
+    assert plain.outputs[0].logprobs == alone.outputs[0].logprobs
+    assert steered.outputs[0].logprobs != alone.outputs[0].logprobs
