@@ -330,9 +330,11 @@ def _edited(want: Want, current: torch.Tensor, token_axis: int | None,
     op = want.op
     kind = op["op"]
     if kind == "add":
-        edited = current + tensor_from_data(op["vector"]).to(current.dtype) * op["scale"]
+        vector = _fitted(tensor_from_data(op["vector"]), current, layout, "Add's vector")
+        edited = current + vector.to(current.dtype) * op["scale"]
     elif kind == "set":
-        edited = tensor_from_data(op["value"]).to(current.dtype).expand_as(current).clone()
+        value = _fitted(tensor_from_data(op["value"]), current, layout, "Set's value")
+        edited = value.to(current.dtype).expand_as(current).clone()
     elif kind == "scale":
         edited = current * op["factor"]
     elif kind == "zero":
@@ -352,6 +354,20 @@ def _edited(want: Want, current: torch.Tensor, token_axis: int | None,
     else:
         raise ValueError(f"unknown op {kind!r}")
     return _only_kept_rows(want, current, edited, token_axis)
+
+
+def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...],
+            what: str) -> torch.Tensor:
+    """`tensor` if it broadcasts over the value as read, else an error that says which shape
+    would (the value's layout and this step's shape)."""
+    try:
+        torch.broadcast_shapes(tuple(tensor.shape), tuple(current.shape))
+    except RuntimeError:
+        raise ValueError(
+            f"{what} has shape {tuple(tensor.shape)}, which does not broadcast over the value "
+            f"[{' '.join(layout)}] (this step: {tuple(current.shape)}); e.g. give "
+            f"[{current.shape[-1]}] for a vector along its last axis") from None
+    return tensor
 
 
 def _only_kept_rows(want: Want, current: torch.Tensor, edited: torch.Tensor,
