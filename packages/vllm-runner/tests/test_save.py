@@ -126,3 +126,12 @@ def test_a_repeated_program_still_sees_its_whole_prompt(llm) -> None:
         assert output.saved["layers.0.layer_output"].shape[1] == len(prompt) + 1
     assert torch.equal(runs[0].saved["layers.0.layer_output"],
                        runs[1].saved["layers.0.layer_output"])
+
+
+def test_several_samples_of_a_programmed_request_are_refused(llm) -> None:
+    with pytest.raises(ValueError, match=r"SamplingParams\(n=2\) with interventions"):
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(n=2, max_tokens=1),
+                     interventions=[ops.Save("layers.0.layer_output")], use_tqdm=False)
+    (plain,) = llm.generate([TokensPrompt(prompt_token_ids=[1, 2])],
+                            SamplingParams(n=2, max_tokens=1), use_tqdm=False)
+    assert len(plain.outputs) == 2  # requests without a program keep every vLLM feature

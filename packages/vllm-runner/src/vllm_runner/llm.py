@@ -78,6 +78,22 @@ class LLM:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
+    @property
+    def hidden_size(self) -> int:
+        """The residual stream's width: the size of a steering vector for `layer_output`."""
+        return self.engine.llm_engine.model_config.get_hidden_size()
+
+    @property
+    def num_layers(self) -> int:
+        """How many decoder layers `layers.<i>` can name."""
+        engine = self.engine.llm_engine
+        return engine.model_config.get_num_layers(engine.vllm_config.parallel_config)
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of `logits`: the size of a vector added to them."""
+        return self.engine.llm_engine.model_config.get_vocab_size()
+
     def support(self) -> dict[str, str | None]:
         """Every value of the served model by canonical location → `None` if it can be read
         (and, unless derived, written), else the reason it cannot. Runs nothing."""
@@ -128,6 +144,10 @@ class LLM:
             param = base.clone()
             key = None
             if ops:
+                if param.n > 1:
+                    raise ValueError(
+                        f"SamplingParams(n={param.n}) with interventions: the {param.n} samples "
+                        "would share one program's saves; pass the prompt n times instead")
                 key = new_key()
                 program = encode(key, ops)
                 param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: program}
@@ -140,7 +160,12 @@ class LLM:
             requests.append(request)
             params.append(param)
             keys.append(key)
-        outputs = self.engine.generate(requests, params, **kwargs)
+        try:
+            outputs = self.engine.generate(requests, params, **kwargs)
+        except BaseException:
+            # Interrupted or failed: nobody will collect these saves, so free them now.
+            self.engine.collective_rpc("interp_drop", args=([k for k in keys if k],))
+            raise
         self._attach_saves(outputs, keys, programs)
         return outputs
 

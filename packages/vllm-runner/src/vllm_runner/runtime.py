@@ -318,6 +318,12 @@ class Runtime:
                     filters[f"{location}.lens_tokens"] = filters[f"{location}.lens_probs"] = keep
         return self.store.collect(key, computed, filters)
 
+    def drop(self, keys: list[str]) -> None:
+        """Forget requests that will never be collected: their saves, errors and functions."""
+        self.store.drop(keys)
+        for key in keys:
+            self._functions.pop(key, None)
+
     def error(self, key: str) -> str | None:
         """Why a request's program failed, or `None`; forgets the request's functions too."""
         self._functions.pop(key, None)

@@ -100,7 +100,7 @@ class WorkerRPC:
 
     def interp_drop(self, keys: list[str]) -> None:
         """Free the saves of requests that will never be collected."""
-        self.model_runner.interp.store.drop(keys)
+        self.model_runner.interp.drop(keys)
 
 
 class InterpCPUWorker(WorkerRPC, CPUWorker):
