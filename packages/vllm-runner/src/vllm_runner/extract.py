@@ -1,0 +1,183 @@
+"""Extract activations for many prompts to disk: streamed in shards, resumable, bounded memory.
+
+Format: a folder of safetensors shards plus `manifest.json`. Shard `k` holds prompts
+`[k * shard_size, (k + 1) * shard_size)`; for prompt `i` it stores `"<i>/token_ids"` and
+`"<i>/<canonical location>"` (the saved value without its batch axis: `[positions, ...]`).
+Why safetensors: every framework reads it (torch, numpy, JAX) without pickle, a shard can be
+memory-mapped and read one tensor at a time, and prompts of different lengths stay separate
+tensors instead of padded blocks; `datasets`/Arrow would add a large dependency and flatten the
+tensors. `load` reads a folder back.
+
+Resuming: a shard is written to a temporary file, renamed into place, and only then recorded in
+the manifest (itself replaced atomically). A run killed at any moment leaves at worst an
+unrecorded temporary file; the next run with the same settings redoes exactly the shards the
+manifest lacks, so every row is written exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_runner import ops
+
+MANIFEST = "manifest.json"
+FORMAT = "vllm-interp-extract/1"
+
+
+class ExtractionMismatch(ValueError):
+    """The output folder holds an extraction made with different settings."""
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a text file (one per line, blank lines skipped) or a JSONL file (a
+    `"prompt"` field per line)."""
+    path = Path(path)
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        record = json.loads(line)
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f"{path}:{number}: expected a JSON object with a string 'prompt'")
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str | Path, *,
+            positions: Sequence[int] | None = None, shard_size: int = 64,
+            model_name: str = "", progress: bool = True) -> Path:
+    """Run `prompts` through `llm` saving `locations` (patterns), and write them to `out`.
+
+    Each prompt is run alone-equivalently (its saves are exactly `llm.generate`'s `saved` for
+    it) with `max_tokens=1`, so the values cover the prompt's positions (`positions` keeps some:
+    absolute, or negative from the end of the prompt). Returns the folder. Raises
+    `ExtractionMismatch` if `out` holds an extraction with other settings, and `RuntimeError`
+    naming the prompt if a program fails.
+    """
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be at least 1, got {shard_size}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm.resolve(list(locations))  # a bad location fails now, not after the first shard
+    settings = {"format": FORMAT, "model": model_name, "locations": list(locations),
+                "positions": None if positions is None else list(positions),
+                "shard_size": shard_size, "prompts": len(prompts),
+                "prompts_sha256": _digest(prompts)}
+    manifest = _open_manifest(out, settings)
+    done = {shard["index"] for shard in manifest["shards"]}
+    program = [ops.Save(location, positions=None if positions is None else tuple(positions))
+               for location in locations]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    count = -(-len(prompts) // shard_size)
+    finished = sum(min(shard_size, len(prompts) - i * shard_size) for i in done)
+    bar = tqdm(total=len(prompts), initial=finished, unit="prompt", disable=not progress,
+               desc="extract")
+    tokens, started = 0, time.perf_counter()
+    try:
+        for index in range(count):
+            if index in done:
+                continue
+            first = index * shard_size
+            batch = list(prompts[first:first + shard_size])
+            outputs = llm.generate(batch, params, interventions=program, use_tqdm=False)
+            tensors: dict[str, torch.Tensor] = {}
+            for offset, output in enumerate(outputs):
+                number = first + offset
+                if output.error is not None:
+                    raise RuntimeError(f"prompt {number} ({batch[offset][:60]!r}): "
+                                       f"{output.error}")
+                tensors[f"{number}/token_ids"] = torch.tensor(output.prompt_token_ids)
+                for location, value in output.saved.items():
+                    tensors[f"{number}/{location}"] = value[0].contiguous()
+                tokens += len(output.prompt_token_ids)
+            name = f"shard-{index:05d}.safetensors"
+            staging = out / f"{name}.partial"
+            save_file(tensors, str(staging), metadata={"first": str(first)})
+            _crash_point_for_tests(len(manifest["shards"]))
+            staging.replace(out / name)
+            manifest["shards"].append({"index": index, "file": name, "first": first,
+                                       "count": len(batch)})
+            manifest["shards"].sort(key=lambda shard: shard["index"])
+            _write_manifest(out, manifest)
+            bar.update(len(batch))
+            bar.set_postfix(tokens_per_s=f"{tokens / (time.perf_counter() - started):.0f}")
+    finally:
+        bar.close()
+    return out
+
+
+def load(out: str | Path) -> Iterator[dict[str, Any]]:
+    """Each extracted prompt in order: `{"index", "token_ids", <canonical location>: tensor}`.
+
+    Reads one shard at a time. Raises `ValueError` if the extraction is not complete.
+    """
+    from safetensors.torch import load_file
+
+    out = Path(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    settings = manifest["settings"]
+    expected = -(-settings["prompts"] // settings["shard_size"])
+    if len(manifest["shards"]) != expected:
+        raise ValueError(f"{out}: {len(manifest['shards'])} of {expected} shards written; run "
+                         "the same extraction again to finish it")
+    for shard in manifest["shards"]:
+        tensors = load_file(str(out / shard["file"]))
+        for number in range(shard["first"], shard["first"] + shard["count"]):
+            prefix = f"{number}/"
+            record: dict[str, Any] = {"index": number}
+            record.update({key[len(prefix):]: value for key, value in tensors.items()
+                           if key.startswith(prefix)})
+            yield record
+
+
+def _digest(prompts: Sequence[str]) -> str:
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(prompt.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _open_manifest(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    path = out / MANIFEST
+    if not path.exists():
+        if any(out.glob("shard-*.safetensors")):
+            raise ExtractionMismatch(f"{out} holds shards but no {MANIFEST}; use an empty folder")
+        manifest = {"settings": settings, "shards": []}
+        _write_manifest(out, manifest)
+        return manifest
+    manifest = json.loads(path.read_text())
+    if manifest.get("settings") != settings:
+        changed = sorted(key for key in settings
+                         if manifest.get("settings", {}).get(key) != settings[key])
+        raise ExtractionMismatch(
+            f"{out} holds an extraction with other settings ({', '.join(changed)} differ); "
+            "resume with the same arguments, or choose a new --out")
+    return manifest
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    staging = out / f"{MANIFEST}.partial"
+    staging.write_text(json.dumps(manifest, indent=2))
+    staging.replace(out / MANIFEST)
+
+
+def _crash_point_for_tests(written: int) -> None:
+    """Die like a killed process between writing a shard and recording it, after `written`
+    shards — the worst moment — when `VLLM_INTERP_EXTRACT_CRASH_AFTER` asks for it (tests)."""
+    crash_after = os.environ.get("VLLM_INTERP_EXTRACT_CRASH_AFTER")
+    if crash_after is not None and written >= int(crash_after):
+        os._exit(17)
