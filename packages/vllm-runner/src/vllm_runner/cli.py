@@ -7,6 +7,7 @@ argument errors are reported before that slow part.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel ranks (default: 1)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt plus generation, in tokens (default: the model's)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's own log (engine configuration, loading)")
     parser.add_argument("--dtype", default=None,
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations (default: vLLM's choice for the model; "
@@ -118,6 +121,9 @@ def _ranges(layers: list[int]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vllm-interp` command."""
     arguments = build_parser().parse_args(argv)
+    if not arguments.verbose:
+        # vLLM logs its configuration to stdout at INFO; a command's output should be its own.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if arguments.command == "support":
         print(support_table(_llm(arguments).support()))
         return 0
