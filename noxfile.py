@@ -152,5 +152,9 @@ def bench(session: nox.Session, package: str) -> None:
     script = ROOT / "benchmarks" / f"{package.replace('-', '_')}_bench.py"
     if not script.exists():
         session.skip(f"{package} has no benchmark script at {script.relative_to(ROOT)}")
-    _install(session, *map(str, _with_local_dependencies(_package_dirs()[package])), "rich")
+    package_dir = _package_dirs()[package]
+    group = (["--group", f"{package_dir / 'pyproject.toml'}:bench"]
+             if "bench" in _pyproject(package_dir).get("dependency-groups", {}) else [])
+    _install(session, *map(str, _with_local_dependencies(package_dir)), "rich", *group,
+             package_dirs=[package_dir])
     session.run("python", str(script), *session.posargs)
