@@ -86,19 +86,20 @@ def timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def hf_runner(model_dir: str, prompts: list[list[int]], max_tokens: int) -> Callable[[], object]:
+def hf_runner(model_dir: str, requests: list, max_tokens: int) -> Callable[[], object]:
     """transformers' batched greedy generate, left-padded, with one layer's output captured."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layer = model.model.layers[len(model.model.layers) // 2]
-    width = max(map(len, prompts))
     pad = model.config.pad_token_id or 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     captured: list[torch.Tensor] = []
 
     def run() -> None:
+        prompts = [request["prompt_token_ids"] for request in requests]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         captured.clear()
         handle = layer.register_forward_hook(
             lambda module, args, output: captured.append(
@@ -128,9 +129,15 @@ def main() -> None:
     bare = vllm.LLM(model_dir, dtype="float32", seed=0, enforce_eager=True)
     generator = torch.Generator().manual_seed(0)
     vocab = ours.vocab_size
-    prompts = [torch.randint(0, vocab, (int(length),), generator=generator).tolist()
-               for length in torch.randint(32, 257, (arguments.requests,), generator=generator)]
-    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def fresh_prompts() -> list[list[int]]:
+        # New prompts for every pair: neither engine has them in its prefix cache (requests
+        # with a program never read it; a bare engine would, on a repeated prompt).
+        return [torch.randint(0, vocab, (int(length),), generator=generator).tolist()
+                for length in torch.randint(32, 257, (arguments.requests,),
+                                            generator=generator)]
+
+    requests = [TokensPrompt(prompt_token_ids=p) for p in fresh_prompts()]
     params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
 
     def bare_run() -> None:
@@ -139,7 +146,7 @@ def main() -> None:
     runners: dict[str, Callable[[], object]] = {}
     for arm in arms:
         if arm == "hf":
-            runners[arm] = hf_runner(model_dir, prompts, arguments.max_tokens)
+            runners[arm] = hf_runner(model_dir, requests, arguments.max_tokens)
         else:
             interventions = programs(arm, len(requests), ours.num_layers, ours.hidden_size)
 
@@ -158,6 +165,7 @@ def main() -> None:
     bare_seconds: list[float] = []
     for repeat in range(arguments.repeats):
         for arm in arms:
+            requests[:] = [TokensPrompt(prompt_token_ids=p) for p in fresh_prompts()]
             base = timed(bare_run)
             took = timed(runners[arm])
             bare_seconds.append(base)
