@@ -5,8 +5,9 @@ It rewrites docs/benchmarks/vllm-runner.md and its plot.
 
 Method (DESIGN §7): one process holds a bare `vllm.LLM` and our `LLM`, with the same model and
 engine settings (eager, fp32, in-process engines so no idle engine process competes for the
-cores). For each repeat and each arm, the bare engine runs the workload, then the arm does:
-pairs run back to back, so slow drift of the machine hits both sides of a ratio alike. The ratio
+cores). For each repeat and each arm, the bare engine and the arm run the same fresh workload
+back to back (bare first in even repeats, the arm first in odd ones), so slow drift of the
+machine and order effects hit both sides of a ratio alike. The ratio
 of a pair is bare time / arm time (throughput ratio, 1.0 = free); each arm reports the median
 ratio and its min-max over repeats. The workload: `--requests` prompts of random tokens, 32-256
 long, each generating exactly `--max-tokens` tokens (`ignore_eos`), all submitted at once
@@ -166,8 +167,11 @@ def main() -> None:
     for repeat in range(arguments.repeats):
         for arm in arms:
             requests[:] = [TokensPrompt(prompt_token_ids=p) for p in fresh_prompts()]
-            base = timed(bare_run)
-            took = timed(runners[arm])
+            # Alternate which side of a pair runs first, so order effects cancel out.
+            if repeat % 2 == 0:
+                base, took = timed(bare_run), timed(runners[arm])
+            else:
+                took, base = timed(runners[arm]), timed(bare_run)
             bare_seconds.append(base)
             seconds[arm].append(took)
             ratios[arm].append(base / took)
@@ -190,7 +194,7 @@ def render(arguments, arms, ratios, seconds, bare_seconds, generated, model_dir)
         f"vLLM {vllm.__version__}); model `{Path(model_dir).name}`, fp32, eager, in-process "
         f"engines; {arguments.requests} requests of 32-256 random tokens submitted at once, "
         f"{arguments.max_tokens} generated tokens each; {arguments.repeats} repeats, each arm "
-        "paired with a bare-engine run just before it.",
+        "paired with a bare-engine run on the same fresh prompts (order alternating).",
         "",
         f"Bare engine: median {statistics.median(bare_seconds):.2f} s per run "
         f"({generated / statistics.median(bare_seconds):.0f} generated tokens/s).",

@@ -221,6 +221,13 @@ class LLM:
             return [list(ops) for ops in interventions]
         return [list(interventions) for _ in range(count)]
 
+    def _in_process(self) -> bool:
+        """Whether the worker that keeps the saves runs in this process (vLLM's in-process
+        engine core with its single-process executor; checked against vLLM 0.32), so results
+        need no serialization."""
+        executor = getattr(self.engine.llm_engine, "model_executor", None)  # in-process only
+        return type(executor).__name__ == "UniProcExecutor"
+
     def _attach_saves(self, outputs: list[Any], keys: list[str | None],
                       programs: list[list[Op]]) -> None:
         wanted = []
@@ -235,8 +242,9 @@ class LLM:
                            "ops": [op.to_data() for op in ops]})
         if not wanted:
             return
-        (data, *_) = self.engine.collective_rpc("interp_collect", args=(wanted,))
-        collected = from_bytes(data)
+        in_process = self._in_process()
+        (data, *_) = self.engine.collective_rpc("interp_collect", args=(wanted, not in_process))
+        collected = data if in_process else from_bytes(data)
         for output, key in zip(outputs, keys, strict=True):
             if key is not None:
                 result = collected.get(key, {})

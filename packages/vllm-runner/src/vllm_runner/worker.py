@@ -82,10 +82,15 @@ class WorkerRPC:
                 errors[pattern] = str(error)
         return {"resolved": resolved, "errors": errors}
 
-    def interp_collect(self, requests: list[dict[str, Any]]) -> bytes:
-        """Saves and errors of finished requests (`key`, `computed`, `prompt_length`, `ops`)."""
+    def interp_collect(self, requests: list[dict[str, Any]],
+                       as_bytes: bool = True) -> bytes | dict[str, Any]:
+        """Saves and errors of finished requests (`key`, `computed`, `prompt_length`, `ops`).
+
+        As bytes for a client in another process; as the tensors themselves (`as_bytes=False`)
+        for an in-process client, which saves three copies of everything saved."""
         runtime = self.model_runner.interp
-        return to_bytes({
+        pack = to_bytes if as_bytes else dict
+        return pack({
             request["key"]: {
                 "saved": runtime.collect(request["key"], request["computed"],
                                          request["prompt_length"], request["ops"]),
