@@ -122,8 +122,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arms", default="a,b,c,d,e,f,g,hf")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--memory", action="store_true",
+                        help="instead: peak memory while saving every layer, run after run")
     arguments = parser.parse_args()
     arms = arguments.arms.split(",")
+    if arguments.memory:
+        memory(arguments)
+        return
 
     ours = LLM(arguments.model, dtype="float32", seed=0)
     model_dir = ours.llm_engine.model_config.model
@@ -183,6 +188,33 @@ def main() -> None:
     if not arguments.no_write:
         RESULTS.write_text(report)
         plot(arms, ratios)
+
+
+def memory(arguments: argparse.Namespace, runs: int = 5) -> None:
+    """Peak resident memory of this process (client and in-process worker) while every request
+    saves every layer's output: it must stay bounded by one `generate`'s saves, not grow with
+    what earlier runs saved (the worker frees each request's saves when they are collected)."""
+    import resource
+
+    ours = LLM(arguments.model, dtype="float32", seed=0)
+    generator = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    program = [ops.Save("layers.*.layer_output")]
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"{arguments.requests} requests x 256 prompt tokens, every layer's layer_output; "
+          f"peak RSS after start-up (model, KV cache) {baseline / 2**30:.2f} GiB")
+    for run in range(1, runs + 1):
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(
+            0, ours.vocab_size, (256,), generator=generator).tolist())
+            for _ in range(arguments.requests)]
+        outputs = ours.generate(prompts, params, interventions=program, use_tqdm=False)
+        saved = sum(value.numel() * value.element_size()
+                    for output in outputs for value in output.saved.values())
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(f"run {run}: saved {saved / 2**30:.2f} GiB, peak RSS so far "
+              f"{peak / 2**30:.2f} GiB", flush=True)
+        del outputs
+        gc.collect()
 
 
 def render(arguments, arms, ratios, seconds, bare_seconds, generated, model_dir) -> str:
