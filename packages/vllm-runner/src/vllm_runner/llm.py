@@ -9,8 +9,6 @@ and never read the prefix cache themselves, so their programs see every prompt r
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -21,7 +19,14 @@ from vllm import SamplingParams
 
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op, Skip
-from vllm_runner.program import EXTRA_ARGS_KEY, encode, new_key
+from vllm_runner.program import (
+    EXTRA_ARGS_KEY,
+    cache_salt,
+    collection_filters,
+    encode,
+    encode_ops,
+    new_key,
+)
 from vllm_runner.settings import READS_VARIABLE, read_mode
 from vllm_runner.store import from_bytes
 from vllm_runner.trace import Trace
@@ -33,12 +38,6 @@ def _worker_cls() -> str:
     if current_platform.is_cpu():
         return "vllm_runner.worker.InterpCPUWorker"
     return "vllm_runner.worker.InterpGPUWorker"
-
-
-def _bytes_as_hex(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.hex()
-    raise TypeError(f"cannot hash a program holding {type(value).__name__}")
 
 
 def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
@@ -148,7 +147,9 @@ class LLM:
         programs = self._programs(interventions, len(prompt_list))
         self._check_locations(programs)
         base = sampling_params or SamplingParams()
-        requests, params, keys = [], [], []
+        requests, params, keys, filters = [], [], [], []
+        # One program given for every prompt is encoded (tensors, pickled code, salt) once.
+        encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], str]] = {}
         for prompt, ops in zip(prompt_list, programs, strict=True):
             request = _as_prompt_dict(prompt)
             param = base.clone()
@@ -158,12 +159,16 @@ class LLM:
                     raise ValueError(
                         f"SamplingParams(n={param.n}) with interventions: the {param.n} samples "
                         "would share one program's saves; pass the prompt n times instead")
+                signature = tuple(map(id, ops))
+                if signature not in encoded:
+                    data = encode_ops(ops)
+                    encoded[signature] = (data, cache_salt(data))
+                data, salt = encoded[signature]
                 key = new_key()
-                program = encode(key, ops)
-                param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: program}
-                salt = hashlib.sha256(json.dumps(program["ops"], sort_keys=True,
-                                                 default=_bytes_as_hex).encode())
-                request.setdefault("cache_salt", salt.hexdigest()[:16])
+                param.extra_args = {**(param.extra_args or {}),
+                                    EXTRA_ARGS_KEY: encode(key, data)}
+                request.setdefault("cache_salt", salt)
+                filters.append(collection_filters(data))
                 # A prefix-cache hit would skip the prompt rows the program must see: requests
                 # with a program always recompute their prompt (they still feed the cache).
                 param.skip_reading_prefix_cache = True
@@ -176,7 +181,7 @@ class LLM:
             # Interrupted or failed: nobody will collect these saves, so free them now.
             self.engine.collective_rpc("interp_drop", args=([k for k in keys if k],))
             raise
-        self._attach_saves(outputs, keys, programs)
+        self._attach_saves(outputs, keys, filters)
         return outputs
 
     def chat(self, messages: Any, sampling_params: SamplingParams | None = None,
@@ -229,17 +234,19 @@ class LLM:
         return type(executor).__name__ == "UniProcExecutor"
 
     def _attach_saves(self, outputs: list[Any], keys: list[str | None],
-                      programs: list[list[Op]]) -> None:
+                      filters: list[list[dict[str, Any]]]) -> None:
+        """Collect each programmed request's saves and error onto its output; `filters` holds
+        `collection_filters` of each programmed request, in order."""
         wanted = []
-        for output, key, ops in zip(outputs, keys, programs, strict=True):
+        pending = iter(filters)
+        for output, key in zip(outputs, keys, strict=True):
             output.saved, output.error = {}, None
             if key is None:
                 continue
             generated = len(output.outputs[0].token_ids) if output.outputs else 0
             prompt_length = len(output.prompt_token_ids)
             wanted.append({"key": key, "computed": prompt_length + max(generated - 1, 0),
-                           "prompt_length": prompt_length,
-                           "ops": [op.to_data() for op in ops]})
+                           "prompt_length": prompt_length, "ops": next(pending)})
         if not wanted:
             return
         in_process = self._in_process()

@@ -6,6 +6,8 @@ workers, so the same program works in-process, across processes and over HTTP.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +22,33 @@ def new_key() -> str:
     return uuid.uuid4().hex
 
 
-def encode(key: str, ops: Sequence[Op]) -> dict[str, Any]:
-    """The `extra_args` entry for a request with `ops`."""
-    return {"key": key, "ops": [op.to_data() for op in ops]}
+def encode_ops(ops: Sequence[Op]) -> list[dict[str, Any]]:
+    """`ops` as plain data (tensors as bytes, `Call` functions cloudpickled)."""
+    return [op.to_data() for op in ops]
+
+
+def encode(key: str, ops_data: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `extra_args` entry for a request whose ops were encoded by `encode_ops`."""
+    return {"key": key, "ops": ops_data}
+
+
+def cache_salt(ops_data: list[dict[str, Any]]) -> str:
+    """A prefix-cache salt that only requests running the very same program share."""
+    text = json.dumps(ops_data, sort_keys=True, default=_bytes_as_hex)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def collection_filters(ops_data: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What collecting a request's saves needs of its program: the location and position
+    filters of its `save` and `lens` ops (no tensors, no code)."""
+    return [{key: op.get(key) for key in ("op", "location", "positions", "steps")}
+            for op in ops_data if op["op"] in ("save", "lens")]
+
+
+def _bytes_as_hex(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"cannot hash a program holding {type(value).__name__}")
 
 
 def program_of(extra_args: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -230,17 +230,20 @@ class Runtime:
                 continue  # e.g. the pattern outside a whole-prompt step
             try:
                 rows = narrow(raw, want.span, layout)
-                current = value.read(rows, want.step)
-                if want.op["op"] == "lens":
-                    self._lens(want, current, location)
-                elif want.op["op"] == "call":
+                kind = want.op["op"]
+                if kind == "call":
+                    # Lent in the op's read mode by `_call`, not copied here first.
                     self._call(want, value, raw, rows, location, layout)
-                elif want.op["op"] == "save" and self.keeps_saves:
+                    continue
+                if kind == "save" and not self.keeps_saves:
+                    continue  # a rank other than 0 under tensor parallelism: nothing to copy
+                current = value.read(rows, want.step)
+                if kind == "lens":
+                    self._lens(want, current, location)
+                elif kind == "save":
                     self.store.save(want.key, location, want.span.first_position, current,
                                     token_axis)
-                elif want.op["op"] == "save":
-                    pass  # a rank other than 0 under tensor parallelism
-                elif want.op["op"] == "skip":
+                elif kind == "skip":
                     layer = want.op["location"]
                     if location.endswith(".layer_input"):
                         self._skipped[(want.key, layer)] = current
