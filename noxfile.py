@@ -66,10 +66,11 @@ def _with_local_dependencies(package_dir: Path) -> list[Path]:
     return found
 
 
-def _test_group(package_dir: Path) -> list[str]:
-    """The `--group` arguments for a package's `test` dependency group, if it declares one."""
-    if "test" in _pyproject(package_dir).get("dependency-groups", {}):
-        return ["--group", f"{package_dir / 'pyproject.toml'}:test"]
+def _group(package_dir: Path, name: str) -> list[str]:
+    """The `--group` arguments for a dependency group (`test`, `bench`) of a package (or of the
+    root project), if it declares one."""
+    if name in _pyproject(package_dir).get("dependency-groups", {}):
+        return ["--group", f"{package_dir / 'pyproject.toml'}:{name}"]
     return []
 
 
@@ -115,7 +116,7 @@ def tests(session: nox.Session, package: str) -> None:
 def _run_tests(session: nox.Session, package: str) -> None:
     packages = _package_dirs()
     if package == CROSS_PACKAGE:
-        group = ["--group", f"{ROOT / 'pyproject.toml'}:test"]
+        group = _group(ROOT, "test")
         _install(session, *map(str, packages.values()), *group)
         # The runnable examples in docs/ are tests too: a page that drifts from the code fails.
         session.run("pytest", str(ROOT / "tests"), "--doctest-glob=*.md", str(ROOT / "docs"),
@@ -123,7 +124,7 @@ def _run_tests(session: nox.Session, package: str) -> None:
         return
     package_dir = packages[package]
     local = _with_local_dependencies(package_dir)
-    _install(session, *map(str, local), *_test_group(package_dir), package_dirs=[package_dir])
+    _install(session, *map(str, local), *_group(package_dir, "test"), package_dirs=[package_dir])
     session.run("pytest", str(package_dir / "tests"), *session.posargs)
 
 
@@ -153,8 +154,7 @@ def bench(session: nox.Session, package: str) -> None:
     if not script.exists():
         session.skip(f"{package} has no benchmark script at {script.relative_to(ROOT)}")
     package_dir = _package_dirs()[package]
-    group = (["--group", f"{package_dir / 'pyproject.toml'}:bench"]
-             if "bench" in _pyproject(package_dir).get("dependency-groups", {}) else [])
+    group = _group(package_dir, "bench")
     _install(session, *map(str, _with_local_dependencies(package_dir)), "rich", *group,
              package_dirs=[package_dir])
     session.run("python", str(script), *session.posargs)

@@ -90,13 +90,19 @@ def _short(text: str) -> str:
     return repr(text.strip() or text)[1:-1][:10]
 
 
-def _plot_lens(tokens: torch.Tensor, probabilities: torch.Tensor, labels: list[str],
-               tokenizer: Any, path: Path) -> Path:
+def _pyplot():
+    """matplotlib's pyplot drawing to files (no screen needed), imported only for the figures."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
+    return pyplot
+
+
+def _plot_lens(tokens: torch.Tensor, probabilities: torch.Tensor, labels: list[str],
+               tokenizer: Any, path: Path) -> Path:
+    pyplot = _pyplot()
     layers, positions = probabilities.shape
     figure, axes = pyplot.subplots(figsize=(1.1 * positions + 2, 0.32 * layers + 1.5))
     image = axes.imshow(probabilities.float().numpy(), aspect="auto", cmap="viridis", vmin=0,
@@ -118,11 +124,7 @@ def _plot_lens(tokens: torch.Tensor, probabilities: torch.Tensor, labels: list[s
 
 
 def _plot_pattern(llm: Any, tokenizer: Any, path: Path, head: int = 0) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
+    pyplot = _pyplot()
     layer = llm.num_layers // 2
     location = f"layers.{layer}.self_attn.attention_probabilities"
     (output,) = llm.generate([LENS_PROMPT], SamplingParams(max_tokens=1, temperature=0.0),
