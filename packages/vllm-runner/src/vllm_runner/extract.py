@@ -57,8 +57,8 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
             model_name: str = "", progress: bool = True) -> Path:
     """Run `prompts` through `llm` saving `locations` (patterns), and write them to `out`.
 
-    Each prompt is run alone-equivalently (its saves are exactly `llm.generate`'s `saved` for
-    it) with `max_tokens=1`, so the values cover the prompt's positions (`positions` keeps some:
+    Each prompt's values are what `llm.generate(..., interventions=[ops.Save(...)])` saves for
+    it, run with `max_tokens=1`, so they cover the prompt's positions (`positions` keeps some:
     absolute, or negative from the end of the prompt). Returns the folder. Raises
     `ExtractionMismatch` if `out` holds an extraction with other settings, and `RuntimeError`
     naming the prompt if a program fails.
