@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 __all__ = ["VLLM_VERSION", "fragments_for", "rules_for", "tp_group"]
 
 #: The vLLM release whose source the layouts above were read from and tested against.
-VLLM_VERSION = "0.32.0"
+VLLM_VERSION = "0.32.0 (CPU) and 0.26.0 (CUDA)"
 
 
 def tp_group() -> Group:
@@ -214,7 +214,8 @@ def _vocabulary(layer: nn.Module, dim: int) -> Stacked:
 
 
 def _embedding(layer: nn.Module, **_: object) -> dict[str, Rule]:
-    partial = layer.tp_size > 1 and not layer.reduce_results
+    # vLLM 0.26's embedding has no `reduce_results`: it always all-reduces (a whole output).
+    partial = layer.tp_size > 1 and not getattr(layer, "reduce_results", True)
     return {
         "input": Replicated(),
         "output": Partial() if partial else Replicated(),
@@ -354,10 +355,13 @@ def _parallel_classes() -> tuple[type, ...]:
         classes.append(MoERunnerInterface)
     except ImportError:
         pass
-    try:  # vLLM <= 0.26's MoE layer: not checked here, so strict mode must refuse, not skip it
+    # vLLM 0.26 exports `FusedMoE` as a factory function returning a `MoERunner` (caught
+    # above); only a class of that name can be an older, unchecked MoE layer.
+    try:
         from vllm.model_executor.layers.fused_moe import FusedMoE
 
-        classes.append(FusedMoE)
+        if isinstance(FusedMoE, type):
+            classes.append(FusedMoE)
     except ImportError:
         pass
     return tuple(classes)

@@ -17,6 +17,7 @@ import vllm
 from tokenspan import ReadMode
 from vllm import SamplingParams
 
+from vllm_runner.compat import check_version, select_v1_runner
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op, Skip
 from vllm_runner.program import (
@@ -36,7 +37,7 @@ def _worker_cls() -> str:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return "vllm_runner.worker.InterpCPUWorker"
+        return "vllm_runner.cpu_worker.InterpCPUWorker"
     return "vllm_runner.worker.InterpGPUWorker"
 
 
@@ -68,6 +69,8 @@ class LLM:
         this process's environment before the engine starts so that every worker process
         inherits it (vLLM's workers read nothing the client sets later).
         """
+        check_version(vllm.__version__)
+        select_v1_runner()
         if interp_reads is not None:
             os.environ[READS_VARIABLE] = read_mode(interp_reads)
         read_mode()  # a bad VLLM_INTERP_READS is refused here, not in a worker's traceback

