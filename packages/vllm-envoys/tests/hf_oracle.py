@@ -212,7 +212,7 @@ class HFOracle:
         _RUN.update(values={}, edits=edits)
         try:
             with self._hooks(edits):
-                logits = self.model(torch.tensor([token_ids])).logits[0]
+                logits = self.model(torch.tensor([token_ids], device=self.model.device)).logits[0]
             values = dict(_RUN["values"])
             values["logits"] = logits.unsqueeze(0)
             return values, logits
@@ -227,7 +227,7 @@ def add_noise(value: torch.Tensor) -> torch.Tensor:
     each query's scores by a constant, which the softmax cancels exactly.
     """
     generator = torch.Generator().manual_seed(1234)
-    return value + torch.randn(value.shape, generator=generator).to(value.dtype)
+    return value + torch.randn(value.shape, generator=generator).to(value.device, value.dtype)
 
 
 @dataclass

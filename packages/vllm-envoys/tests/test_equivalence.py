@@ -13,8 +13,8 @@ TOLERANCE = 1e-4  # relative to the reference's largest magnitude, fp32
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    scale = expected.abs().max().clamp_min(1e-6)
-    error = (actual.float() - expected.float()).abs().max() / scale
+    scale = expected.abs().max().clamp_min(1e-6).cpu()
+    error = (actual.float().cpu() - expected.float().cpu()).abs().max() / scale
     assert error <= TOLERANCE, f"{what}: relative error {error:.2e} > {TOLERANCE}"
 
 

@@ -1,0 +1,166 @@
+"""The in-place trap: values we hand out must not change after we hand them out.
+
+On GPU, vLLM's fused kernels (add + RMSNorm, and others) rewrite a layer's tensors in place
+after later layers run, so a reference kept from a hook is overwritten (seen on the H200 in 50
+of 50 steps). This check runs concurrent requests with chunked prefill, each saving every
+standard value of every layer and keeping every value handed to a `Call`, together with a clone
+taken at the moment it was handed over. It asserts:
+
+1. in `lease` mode (the default), every kept value still equals its clone after generation;
+2. every saved value equals the clones taken at read time, row by row;
+3. as a control, in `view` mode (the engine's own rows, documented as "may be overwritten"),
+   it counts how many kept values no longer equal their clones — on GPU this is where the trap
+   shows; on CPU it may be zero.
+
+Usage: python benchmarks/gpu/inplace_check.py --dtype bfloat16 [--shape smollm2-135m] [--out F]
+Exit status 1 if (1) or (2) fails anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # KEPT lives in this process
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+VALUES = ("layer_input", "layer_mid", "layer_output", "self_attn.attention_input",
+          "self_attn.attention_queries", "self_attn.attention_keys",
+          "self_attn.attention_values", "self_attn.attention_head_outputs",
+          "self_attn.attention_output", "mlp.mlp_input", "mlp.mlp_neurons", "mlp.mlp_output")
+PATTERNS = ("token_embeddings", "logits", *(f"layers.*.{value}" for value in VALUES))
+# The tokens axis of each value as handed out (nnterp layout, batch first).
+HEAD_MAJOR = ("attention_queries", "attention_keys", "attention_values")
+
+# (mode, request, location) -> [(the value as handed over, its clone then, its positions)]
+KEPT: dict[tuple[str, int, str], list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = \
+    defaultdict(list)
+
+
+def keep(mode: str, request: int, value: torch.Tensor, ctx) -> None:
+    """A `Call` that keeps the value it was lent, and a clone of it taken now."""
+    KEPT[(mode, request, ctx.location)].append(
+        (value, value.detach().clone(), ctx.positions.tolist()))
+
+
+def token_axis(location: str) -> int:
+    return 2 if location.rsplit(".", 1)[-1] in HEAD_MAJOR else 1
+
+
+def rows_at_read_time(entries: list, axis: int) -> tuple[list[int], torch.Tensor]:
+    """The clones' rows by absolute position (a later step's row wins), in position order."""
+    by_position = {}
+    for _, clone, positions in entries:
+        for offset, position in enumerate(positions):
+            by_position[position] = clone.select(axis, offset)
+    order = sorted(by_position)
+    return order, torch.stack([by_position[p] for p in order], dim=axis)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", default=None, help="also write the markdown report here")
+    arguments = parser.parse_args()
+
+    import vllm
+    from random_models import random_checkpoint
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runner import LLM, ops
+
+    dtype = getattr(torch, arguments.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_checkpoint(arguments.shape, tempfile.mkdtemp(), dtype, device)
+    # A 64-token budget spreads each prompt over several steps shared with other requests.
+    llm = LLM(model, dtype=arguments.dtype, skip_tokenizer_init=True, seed=0,
+              max_num_batched_tokens=64, max_num_seqs=arguments.requests,
+              gpu_memory_utilization=0.3, max_model_len=512)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(
+        0, llm.vocab_size, (int(length),), generator=generator).tolist())
+        for length in torch.randint(20, 100, (arguments.requests,), generator=generator)]
+    params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
+
+    results = {}
+    for mode in ("lease", "view"):
+        programs = [[*(ops.Save(p) for p in PATTERNS),
+                     *(ops.Call(p, functools.partial(keep, mode, r), reads=mode)
+                       for p in PATTERNS)]
+                    for r in range(len(prompts))]
+        outputs = llm.generate(prompts, params, interventions=programs, use_tqdm=False)
+        errors = [o.error for o in outputs if o.error]
+        if errors:
+            raise SystemExit(f"a program failed: {errors[0]}")
+        results[mode] = compare(mode, outputs)
+    report = render(results, arguments, vllm.__version__, device)
+    print(report)
+    if arguments.out:
+        Path(arguments.out).write_text(report)
+    lease = results["lease"]
+    return 0 if all(c["kept_equal"] == c["kept"] and c["saved_equal"] == c["saved"]
+                    for c in lease.values()) else 1
+
+
+def compare(mode: str, outputs: list) -> dict[str, dict[str, int]]:
+    """Per value name: how many (request, location) pairs kept/saved, and how many still equal
+    their clones."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for (kept_mode, request, location), entries in KEPT.items():
+        if kept_mode != mode:
+            continue
+        name = location.rsplit(".", 1)[-1]
+        count = counts[name]
+        count["kept"] += 1
+        count["kept_equal"] += all(torch.equal(value, clone) for value, clone, _ in entries)
+        saved = outputs[request].saved.get(location)
+        if saved is None:
+            continue
+        axis = token_axis(location)
+        _, rows = rows_at_read_time(entries, axis)
+        count["saved"] += 1
+        n = saved.shape[axis]
+        count["saved_equal"] += (rows.shape[axis] >= n
+                                 and torch.equal(saved, rows.narrow(axis, 0, n).cpu()))
+    KEPT.clear()
+    return counts
+
+
+def render(results: dict, arguments, vllm_version: str, device: str) -> str:
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    lines = [f"### {arguments.dtype}, random {arguments.shape}, {where}, vLLM {vllm_version}",
+             "",
+             f"{arguments.requests} concurrent requests (20-99 prompt tokens, 64-token step "
+             f"budget, {arguments.max_tokens} generated), every value of every layer saved and "
+             "kept by a `Call`; counts are (request, location) pairs equal to their clone "
+             "taken at read time.",
+             "",
+             "| value | pairs | lease: kept = clone | saved = clone "
+             "| view (control): kept = clone |",
+             "|---|---|---|---|---|"]
+    for name in sorted(results["lease"]):
+        lease, view = results["lease"][name], results["view"].get(name, {})
+        lines.append(f"| `{name}` | {lease['kept']} | {lease['kept_equal']}/{lease['kept']} | "
+                     f"{lease['saved_equal']}/{lease['saved']} | "
+                     f"{view.get('kept_equal', 0)}/{view.get('kept', 0)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    # Run as the module `inplace_check`, not `__main__`: `keep` then travels to the worker by
+    # reference and fills this very KEPT (the engine runs in this process).
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    import inplace_check
+
+    raise SystemExit(inplace_check.main())

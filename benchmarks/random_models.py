@@ -1,0 +1,48 @@
+"""Random-weight Llama checkpoints of real models' shapes, for benchmarks and GPU checks.
+
+No weights can be downloaded here or on the lent GPU, and speed depends on shapes, not on
+trained values: a random model of SmolLM2-135M's or Llama-3.2-1B's shape costs what the real one
+costs. `tiny` is for fast runs on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 tie_word_embeddings=False),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, tie_word_embeddings=True, rope_theta=500000.0),
+}
+
+
+def random_checkpoint(shape: str, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                      device: str = "cpu") -> str:
+    """Save a random Llama of `shape` (a key of `SHAPES`) into `folder` once; return its path.
+
+    Weights are drawn with a fixed seed at a scale (std 0.02, transformers' own init) that keeps
+    bf16 activations finite through every layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    path = Path(folder) / f"random-{shape}"
+    if (path / "config.json").exists():
+        return str(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=4096, rms_norm_eps=1e-5, **SHAPES[shape])
+    with torch.device(device):  # initialising 1B parameters on a GPU takes a second, not a minute
+        model = LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    # A generation config without sampling defaults, so both engines sample the same way.
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return str(path)
