@@ -5,7 +5,7 @@
 #
 #   benchmarks/gpu/check.sh install      unpack and install vLLM 0.26 under /tmp/site
 #   benchmarks/gpu/check.sh trap_check   V2 refused by name; (a) the in-place trap, bf16 and fp32
-#   benchmarks/gpu/check.sh suites       (b) equivalence suites of [C] and [D] on the GPU
+#   benchmarks/gpu/check.sh suites envoys|runner   (b) the equivalence suites of [C] / [D]
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -41,31 +41,40 @@ else:
 }
 
 suites() {
-  local status=0
-  # (b) [C]'s suite with transformers on the same GPU, then [D]'s (its oracle on CPU); the
-  # tests that need the embedded model, a second GPU or the CLI are left out.
-  VLLM_INTERP_ORACLE_DEVICE=cuda $python -m pytest -q -p no:cacheprovider \
-    packages/vllm-envoys/tests/test_equivalence.py packages/vllm-envoys/tests/test_values.py \
-    > "$out/envoys-pytest.txt" 2>&1 || status=1
-  tail -15 "$out/envoys-pytest.txt"
-  # Tensor parallelism needs two GPUs; with one, its test is left out.
-  local tp=--ignore=packages/vllm-runner/tests/test_tensor_parallel.py
-  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && tp=
-  $python -m pytest -q -p no:cacheprovider packages/vllm-runner/tests $tp \
-    --ignore packages/vllm-runner/tests/test_embedded.py --ignore packages/vllm-runner/tests/test_cli.py \
-    --ignore packages/vllm-runner/tests/test_extract.py --ignore packages/vllm-runner/tests/test_guide.py \
-    > "$out/runner-pytest.txt" 2>&1 || status=1
-  tail -15 "$out/runner-pytest.txt"
+  # (b) [C]'s suite with transformers on the same GPU (`suites envoys`), or [D]'s with its oracle
+  # on the CPU (`suites runner`): each fits one 10-minute call. The tests that need the embedded
+  # model or the CLI are left out; tensor parallelism runs where there are two GPUs.
+  local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE)
+  export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
+  if [ "$which" = envoys ]; then
+    VLLM_INTERP_ORACLE_DEVICE=cuda $python -m pytest "${report[@]}" \
+      packages/vllm-envoys/tests/test_equivalence.py packages/vllm-envoys/tests/test_values.py \
+      > "$out/envoys-pytest.txt" 2>&1
+  else
+    local tp=--ignore=packages/vllm-runner/tests/test_tensor_parallel.py
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && tp=
+    $python -m pytest "${report[@]}" packages/vllm-runner/tests $tp \
+      --ignore=packages/vllm-runner/tests/test_embedded.py \
+      --ignore=packages/vllm-runner/tests/test_cli.py \
+      --ignore=packages/vllm-runner/tests/test_extract.py \
+      --ignore=packages/vllm-runner/tests/test_guide.py > "$out/runner-pytest.txt" 2>&1
+  fi
+  local status=$?
+  tail -40 "$out/$which-pytest.txt"
   return $status
 }
 
 bench() {
-  local shape=${1:-smollm2-135m} concurrency=${2:-1,16,64} repeats=${3:-3}
+  # One concurrency level per call: at concurrency 1 the eager engines take ~15 s a run on the
+  # H200 (one request at a time), so three levels do not fit one 10-minute call.
+  local shape=${1:-smollm2-135m} concurrency=${2:-64} repeats=${3:-3}
+  local name="bench-$shape-c$concurrency"
   $python benchmarks/vllm_runner_bench.py --shape "$shape" --dtype bfloat16 --graphs \
-    --concurrency "$concurrency" --repeats "$repeats" --gpu-memory-utilization 0.25 \
-    --results "$out/bench-$shape.md" --plot "$out/bench-$shape.png" > "$out/bench-$shape.log" 2>&1
+    --concurrency "$concurrency" --min-requests 4 --repeats "$repeats" \
+    --gpu-memory-utilization 0.25 --results "$out/$name.md" --plot "$out/$name.png" \
+    > "$out/$name.log" 2>&1
   local status=$?
-  grep -v WARNING "$out/bench-$shape.log" | tail -40
+  grep -v WARNING "$out/$name.log" | grep -v "Capturing CUDA graphs" | tail -40
   return $status
 }
 

@@ -37,7 +37,7 @@ def run(llm, programs):
 def test_kept_values_are_private_and_equal_what_save_returns(llm) -> None:
     KEPT.clear()
     (output,) = run(llm, [[ops.Call(LOCATION, keep), ops.Save(LOCATION)]])
-    kept = torch.cat(KEPT, dim=1)  # one copy per step; later layers and steps left them alone
+    kept = torch.cat(KEPT, dim=1).cpu()  # one copy per step; later layers and steps left them alone
     assert torch.equal(kept[:, : output.saved[LOCATION].shape[1]], output.saved[LOCATION])
 
 

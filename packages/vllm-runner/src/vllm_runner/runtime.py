@@ -340,10 +340,10 @@ def _edited(want: Want, current: torch.Tensor, token_axis: int | None,
     kind = op["op"]
     if kind == "add":
         vector = _fitted(tensor_from_data(op["vector"]), current, layout, "Add's vector")
-        edited = current + vector.to(current.dtype) * op["scale"]
+        edited = current + vector.to(current.device, current.dtype) * op["scale"]
     elif kind == "set":
         value = _fitted(tensor_from_data(op["value"]), current, layout, "Set's value")
-        edited = value.to(current.dtype).expand_as(current).clone()
+        edited = value.to(current.device, current.dtype).expand_as(current).clone()
     elif kind == "scale":
         edited = current * op["factor"]
     elif kind == "zero":
@@ -355,9 +355,10 @@ def _edited(want: Want, current: torch.Tensor, token_axis: int | None,
                 raise ValueError(f"Zero(heads=...) needs a value with a heads axis, not "
                                  f"[{' '.join(layout)}]")
             axis = layout.index("heads" if "heads" in layout else "kv_heads")
-            edited.index_fill_(axis, torch.tensor(op["heads"], dtype=torch.long), 0.0)
+            edited.index_fill_(axis, torch.tensor(op["heads"], dtype=torch.long,
+                                                  device=current.device), 0.0)
     elif kind == "project_out":
-        direction = tensor_from_data(op["direction"]).to(current.dtype)
+        direction = tensor_from_data(op["direction"]).to(current.device, current.dtype)
         unit = direction / direction.norm()
         edited = current - (current @ unit).unsqueeze(-1) * unit
     else:

@@ -56,11 +56,12 @@ class SaveStore:
         for location, rows in self._rows.pop(key, {}).items():
             axis = self._axes.pop((key, location), None)
             if axis is None:
-                result[location] = rows[WHOLE]
+                result[location] = rows[WHOLE].cpu()
                 continue
             keep = [p for p in sorted(rows) if p < computed and wanted[location](p)]
             if keep:
-                result[location] = torch.stack([rows[p] for p in keep], dim=axis)
+                # On the host: the client's process may have no GPU, or another one.
+                result[location] = torch.stack([rows[p] for p in keep], dim=axis).cpu()
         return result
 
     def drop(self, keys: list[str]) -> None:
