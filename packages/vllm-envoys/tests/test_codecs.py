@@ -127,3 +127,27 @@ def test_stream_block_mid_is_read_only_and_says_what_to_edit() -> None:
     with pytest.raises(ReadOnly, match="read-only"):
         layer.layer_mid.write(Call((stream,), {}), stream.unsqueeze(0))
     assert "attention_output" in layer.eproperties()["layer_mid"].description
+
+
+def test_rowwise_codecs_read_a_slab_as_the_concatenation_of_its_row_runs() -> None:
+    """What lets a runner read a value once for many requests and hand each its rows."""
+    from tokenspan import StepLayout, narrow
+    from vllm_envoys import Heads, Rows, Stream
+    from vllm_envoys.codecs import Probabilities
+
+    layout = StepLayout.from_counts("abc", [2, 5, 1], [0, 0, 0])
+    cases = [  # (codec, a raw piece of 8 rows, the tokens axis of what it decodes to)
+        (Rows(), torch.randn(8, 128), 1),
+        (Rows(batched=True), torch.randn(1, 8, 128), 1),
+        (Stream(), (torch.randn(8, 128), torch.randn(8, 128)), 1),
+        (Stream(), torch.randn(8, 128), 1),
+        (Heads(lambda module: 32, heads_first=True), torch.randn(8, 128), 2),
+        (Heads(lambda module: 32, heads_first=False), torch.randn(8, 128), 1),
+        (Probabilities(), torch.randn(8, 128), 1),
+    ]
+    for codec, piece, axis in cases:
+        assert codec.rowwise
+        whole = codec.decode(piece, nn.Identity())
+        parts = [codec.decode(narrow(piece, layout[key], layout), nn.Identity())
+                 for key in "abc"]
+        assert torch.equal(whole, torch.cat(parts, dim=axis)), type(codec).__name__

@@ -135,3 +135,37 @@ def test_several_samples_of_a_programmed_request_are_refused(llm) -> None:
     (plain,) = llm.generate([TokensPrompt(prompt_token_ids=[1, 2])],
                             SamplingParams(n=2, max_tokens=1), use_tqdm=False)
     assert len(plain.outputs) == 2  # requests without a program keep every vLLM feature
+
+
+def test_requests_saving_the_same_value_share_one_read_and_each_equal_transformers(
+        llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request saves every layer, so each step reads each value once for all of them
+    (`Runtime._saved_together`); request 1 also steers layer 1, so its layer 1 is served on its
+    own. Each request's rows must still be its own, in position order, over chunked steps."""
+    from vllm_runner.runtime import Runtime
+
+    shared: list[int] = []
+    original = Runtime._saved_together
+
+    def counting(self, *args, **kwargs):
+        keys = original(self, *args, **kwargs)
+        shared.append(len(keys))
+        return keys
+
+    monkeypatch.setattr(Runtime, "_saved_together", counting)
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(3))
+    everything = [ops.Save("layers.*.layer_output"), ops.Save("layers.*.mlp_neurons")]
+    programs = [everything, [*everything, ops.Add("layers.1.layer_output", vector)], everything]
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
+                           interventions=programs, use_tqdm=False)
+    assert max(shared) >= 2, "no step read a value once for several requests"
+    for index in (0, 2):  # request 1's steering changes what transformers would compute
+        generated = list(outputs[index].outputs[0].token_ids)
+        expected = transformers_values(reference, PROMPTS[index] + generated[:-1])
+        for layer in range(3):
+            for location in (f"layers.{layer}.layer_output", f"layers.{layer}.mlp.mlp_neurons"):
+                close(outputs[index].saved[location], expected[location],
+                      f"request {index} {location}")
+    steered = outputs[1].saved["layers.1.layer_output"]
+    assert steered.shape[1] == len(PROMPTS[1]) + GENERATED - 1

@@ -22,6 +22,10 @@ class Codec:
     """
 
     writable = True
+    #: Decoding a slab of rows equals decoding each run of its rows and concatenating the
+    #: results along the value's tokens axis. A runner may then read a value once for many
+    #: requests and hand each its rows; codecs that mix rows (a pattern) leave this False.
+    rowwise = False
 
     def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:
         raise NotImplementedError
@@ -50,6 +54,8 @@ class Rows(Codec):
     that can be read where it sits but not edited there (see `StreamLayer.layer_mid`).
     """
 
+    rowwise = True
+
     def __init__(self, writable: bool = True, batched: bool = False) -> None:
         self.writable = writable
         self.batched = batched
@@ -77,6 +83,8 @@ class Stream(Codec):
     the hidden half and zeros in the residual half, so the next fused add-norm rebuilds exactly
     the edited stream. A plain tensor (no halves) is served like `Rows`.
     """
+
+    rowwise = True
 
     def _halves(self, piece: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(piece, torch.Tensor):
@@ -112,6 +120,8 @@ class Heads(Codec):
     (`head_dim(module)`), never from the config, so per-layer sizes and tensor-parallel wholes
     (which hold every head) both split correctly.
     """
+
+    rowwise = True
 
     def __init__(self, head_dim: Callable[[nn.Module], int], heads_first: bool) -> None:
         self.head_dim = head_dim

@@ -225,7 +225,11 @@ class Runtime:
                                           "supported with logits ops)")
             return
         token_axis = _token_axis(value)
-        for want in visits.wants[location]:
+        wants = visits.wants[location]
+        together = self._saved_together(value, raw, wants, layout, token_axis)
+        if together:
+            wants = [want for want in wants if want.key not in together]
+        for want in wants:
             if value.reason(want.step) is not None:
                 continue  # e.g. the pattern outside a whole-prompt step
             try:
@@ -257,6 +261,38 @@ class Runtime:
             except Exception as error:  # one request's failure must not stop the engine
                 self.store.fail(want.key, f"{want.op['op']} at {location}: "
                                           f"{type(error).__name__}: {error}")
+
+    def _saved_together(self, value: Value, raw: Any, wants: list[Want], layout: StepLayout,
+                        token_axis: int | None) -> set[str]:
+        """Save, with one read of the whole step, the value for every request that only saves
+        it here; return their keys (the others are served one by one).
+
+        Each request keeps a slice of that one private copy instead of a copy of its own: the
+        per-request reads and per-row bookkeeping cost more than the copy itself when every
+        layer is saved. Only for values read row by row (`Codec.rowwise`), and only when the
+        savers own at least half the step's rows, so the copy is at most twice what is kept."""
+        if not self.keeps_saves or token_axis is None or not value.eproperty.codec.rowwise:
+            return set()
+        saving: dict[str, Want] = {}
+        others: set[str] = set()
+        for want in wants:
+            if want.op["op"] == "save" and value.reason(want.step) is None:
+                saving[want.key] = want
+            else:
+                others.add(want.key)
+        for key in others:
+            saving.pop(key, None)
+        if len(saving) < 2 or 2 * sum(len(w.span) for w in saving.values()) < layout.total:
+            return set()
+        try:
+            whole = value.read(narrow(raw, Span(0, layout.total), layout))
+        except Exception:
+            return set()  # served one by one, where each request gets its own error
+        location = value.location
+        for key, want in saving.items():
+            rows = whole.narrow(token_axis, want.span.start, len(want.span))
+            self.store.save(key, location, want.span.first_position, rows, token_axis)
+        return set(saving)
 
     def _lens(self, want: Want, current: torch.Tensor, location: str) -> None:
         """Top-k next-token probabilities of a residual value, through the model's own final
@@ -389,7 +425,7 @@ def _only_kept_rows(want: Want, current: torch.Tensor, edited: torch.Tensor,
     keep = _position_filter(op, want.step.prompt_length)
     first = want.span.first_position
     for offset in range(current.shape[token_axis]):
-        if not keep(first + offset):
+        if keep is not None and not keep(first + offset):
             edited.select(token_axis, offset).copy_(current.select(token_axis, offset))
     return edited
 
@@ -400,8 +436,11 @@ def _token_axis(value: Value) -> int | None:
 
 
 def _position_filter(op: dict[str, Any], prompt_length: int):
-    """`position -> bool` for an op's `positions` (negative: from the prompt's end) and `steps`."""
+    """`position -> bool` for an op's `positions` (negative: from the prompt's end) and `steps`;
+    `None` when the op keeps every position."""
     positions = op.get("positions")
+    if positions is None and op.get("steps", "all") == "all":
+        return None
     absolute = None if positions is None else {p + prompt_length if p < 0 else p
                                                for p in positions}
     steps = op.get("steps", "all")

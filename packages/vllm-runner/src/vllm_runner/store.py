@@ -1,14 +1,17 @@
-"""Saved values of every request in this worker, keyed by absolute position.
+"""Saved values of every request in this worker, as the chunks of rows each step saved.
 
 Preemption recomputes a request from position 0 and chunked prefill spreads a prompt over steps,
-so rows are stored by (request key, location, absolute position) and the last write wins. On
-collection they are put in position order and trimmed to what belongs to the final output.
+so each chunk keeps its first absolute position; on collection the rows are put in position
+order (the last write of a position wins) and trimmed to what belongs to the final output.
+Chunks, not rows: splitting every step's rows into one tensor per position cost more than the
+copies themselves when every layer is saved.
 """
 
 from __future__ import annotations
 
 import io
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,11 +21,12 @@ WHOLE = -1
 
 
 class SaveStore:
-    """Rows saved per request; freed when collected or dropped."""
+    """Rows saved per request, as the chunks each step saved; freed when collected or dropped."""
 
     def __init__(self) -> None:
-        self._rows: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(dict))
+        # key -> location -> [(first absolute position, rows along the token axis)]
+        self._chunks: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = defaultdict(
+            lambda: defaultdict(list))
         self._axes: dict[tuple[str, str], int | None] = {}
         self._errors: dict[str, str] = {}
 
@@ -36,43 +40,66 @@ class SaveStore:
 
     def save(self, key: str, location: str, first_position: int, value: torch.Tensor,
              token_axis: int | None) -> None:
-        """Keep `value` (a private copy) for `key`, one row per absolute position."""
+        """Keep `value` for `key`: rows from `first_position` on along `token_axis`, or the
+        whole value (no token axis: the attention pattern). It must not change afterwards (a
+        private copy, or a slice of one)."""
         self._axes[(key, location)] = token_axis
-        rows = self._rows[key][location]
+        chunks = self._chunks[key][location]
         if token_axis is None:
-            rows[WHOLE] = value
+            chunks[:] = [(WHOLE, value)]
             return
-        for offset, row in enumerate(value.unbind(token_axis)):
-            rows[first_position + offset] = row
+        chunks.append((first_position, value))
 
-    def collect(self, key: str, computed: int, wanted: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Everything saved for `key`, in position order, below position `computed`.
+    def collect(self, key: str, computed: int,
+                wanted: dict[str, Callable[[int], bool] | None]) -> dict[str, torch.Tensor]:
+        """Everything saved for `key`, in position order, below position `computed`, on the
+        host (the client's process may have no GPU, or another one).
 
         `computed` is how many positions belong to the final output (prompt plus generated
         tokens but the last); rows beyond it came from steps the scheduler ran ahead.
-        `wanted[location]` may hold `positions` (a set) and `steps` filters.
+        `wanted[location]` keeps a position or not (`None`: every position).
         """
         result: dict[str, torch.Tensor] = {}
-        for location, rows in self._rows.pop(key, {}).items():
+        for location, chunks in self._chunks.pop(key, {}).items():
             axis = self._axes.pop((key, location), None)
             if axis is None:
-                result[location] = rows[WHOLE].cpu()
+                result[location] = chunks[0][1].cpu()
                 continue
-            keep = [p for p in sorted(rows) if p < computed and wanted[location](p)]
-            if keep:
-                # On the host: the client's process may have no GPU, or another one.
-                result[location] = torch.stack([rows[p] for p in keep], dim=axis).cpu()
+            rows = _in_position_order(chunks, axis, computed, wanted[location])
+            if rows is not None:
+                result[location] = rows.cpu()
         return result
 
     def drop(self, keys: list[str]) -> None:
         """Free what `keys` saved (aborted or abandoned requests)."""
         for key in keys:
             self._errors.pop(key, None)
-            for location in self._rows.pop(key, {}):
+            for location in self._chunks.pop(key, {}):
                 self._axes.pop((key, location), None)
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._chunks)
+
+
+def _in_position_order(chunks: list[tuple[int, torch.Tensor]], axis: int, computed: int,
+                       keep: Callable[[int], bool] | None) -> torch.Tensor | None:
+    """The chunks' rows by absolute position, a later chunk's row winning (preemption
+    recomputes from position 0; a repeated step rewrites its rows); `None` if no row is kept."""
+    rows = torch.cat([chunk for _, chunk in chunks], dim=axis) if len(chunks) > 1 \
+        else chunks[0][1]
+    # Usually each chunk starts where the previous one ended, and nothing is filtered: the rows
+    # as they are, up to `computed`.
+    firsts = [first for first, _ in chunks]
+    ends = [first + chunk.shape[axis] for first, chunk in chunks]
+    if keep is None and firsts[1:] == ends[:-1]:
+        count = min(ends[-1], computed) - firsts[0]
+        return rows.narrow(axis, 0, count) if count > 0 else None
+    positions = [first + offset for first, chunk in chunks for offset in range(chunk.shape[axis])]
+    latest = {position: index for index, position in enumerate(positions)}
+    order = [latest[p] for p in sorted(latest) if p < computed and (keep is None or keep(p))]
+    if not order:
+        return None
+    return rows.index_select(axis, torch.tensor(order, device=rows.device))
 
 
 def to_bytes(saved: dict[str, Any]) -> bytes:
