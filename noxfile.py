@@ -149,7 +149,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 @nox.parametrize("package", list(_package_dirs()))
 def bench(session: nox.Session, package: str) -> None:
-    """Run a package's benchmark script (never part of `tests`); results go to docs/benchmarks/."""
+    """Run a package's benchmark script (never part of `tests`); results go to docs/
+    (docs/benchmarks.md for vllm-runner, docs/benchmarks/ for the lower layers)."""
     script = ROOT / "benchmarks" / f"{package.replace('-', '_')}_bench.py"
     if not script.exists():
         session.skip(f"{package} has no benchmark script at {script.relative_to(ROOT)}")

@@ -175,13 +175,13 @@ def main() -> None:
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
                         help="instead of --model: a random model of this shape")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--concurrency", default="64",
+    parser.add_argument("--concurrency", default="1,16,64",
                         help="requests in flight, comma-separated (e.g. 1,16,64)")
-    parser.add_argument("--min-requests", type=int, default=8,
+    parser.add_argument("--min-requests", type=int, default=4,
                         help="each run sends at least this many requests, in waves of the "
                              "concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--arms", default="a,b,c,d,e,f,g,hf")
     parser.add_argument("--graphs", action="store_true",
                         help="also time vLLM's default engine (CUDA graphs, compilation) "
