@@ -419,13 +419,12 @@ def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...]
 def _only_kept_rows(want: Want, current: torch.Tensor, edited: torch.Tensor,
                     token_axis: int | None) -> torch.Tensor:
     """`edited` where the op's `positions`/`steps` keep the row, `current` elsewhere."""
-    op = want.op
-    if token_axis is None or (op.get("positions") is None and op.get("steps", "all") == "all"):
+    keep = _position_filter(want.op, want.step.prompt_length)
+    if token_axis is None or keep is None:
         return edited
-    keep = _position_filter(op, want.step.prompt_length)
     first = want.span.first_position
     for offset in range(current.shape[token_axis]):
-        if keep is not None and not keep(first + offset):
+        if not keep(first + offset):
             edited.select(token_axis, offset).copy_(current.select(token_axis, offset))
     return edited
 
