@@ -169,3 +169,16 @@ def test_requests_saving_the_same_value_share_one_read_and_each_equal_transforme
                       f"request {index} {location}")
     steered = outputs[1].saved["layers.1.layer_output"]
     assert steered.shape[1] == len(PROMPTS[1]) + GENERATED - 1
+
+
+def test_a_save_read_together_owns_its_memory(llm) -> None:
+    """One step read for several requests must not be kept alive by any one of them: a request
+    whose whole save is one step's slice still gets a tensor of its own."""
+    everything = [ops.Save("layers.*.layer_output")]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in (PROMPTS[0], PROMPTS[2])]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
+                           interventions=everything, use_tqdm=False)
+    for output in outputs:
+        for location, value in output.saved.items():
+            own = value.numel() * value.element_size()
+            assert value.untyped_storage().nbytes() == own, location

@@ -63,11 +63,11 @@ class SaveStore:
         for location, chunks in self._chunks.pop(key, {}).items():
             axis = self._axes.pop((key, location), None)
             if axis is None:
-                result[location] = chunks[0][1].cpu()
+                result[location] = _own_host_copy(chunks[0][1])
                 continue
             rows = _in_position_order(chunks, axis, computed, wanted[location])
             if rows is not None:
-                result[location] = rows.cpu()
+                result[location] = _own_host_copy(rows)
         return result
 
     def drop(self, keys: list[str]) -> None:
@@ -79,6 +79,15 @@ class SaveStore:
 
     def __len__(self) -> int:
         return len(self._chunks)
+
+
+def _own_host_copy(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` on the host, in memory of their own: a slice of a step read shared by several
+    requests (`Runtime._saved_together`) would otherwise keep every request's rows alive."""
+    rows = rows.cpu()
+    if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
+        rows = rows.clone()
+    return rows
 
 
 def _in_position_order(chunks: list[tuple[int, torch.Tensor]], axis: int, computed: int,
