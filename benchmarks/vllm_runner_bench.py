@@ -230,12 +230,16 @@ def main() -> None:
         for start in range(0, len(requests), width):
             engine_generate(requests[start:start + width])
 
+    def plain(engine: vllm.LLM, requests: list, width: int) -> Callable[[], object]:
+        """A run of `engine` without interventions (the bare or the default engine)."""
+        return lambda: in_waves(lambda wave: engine.generate(wave, params, use_tqdm=False),
+                                requests, width)
+
     def runner_for(arm: str, requests: list, width: int) -> Callable[[], object]:
         if arm == "hf":
             return hf_runner(model_dir, requests, arguments.max_tokens, arguments.dtype, width)
         if arm == "graphs":
-            return lambda: in_waves(
-                lambda wave: default.generate(wave, params, use_tqdm=False), requests, width)
+            return plain(default, requests, width)
 
         def run() -> None:
             def wave_run(wave: list) -> None:
@@ -251,7 +255,7 @@ def main() -> None:
         count = max(width, arguments.min_requests)
         warm = fresh_prompts(count)
         # Warm every engine (and the allocator, and transformers) before measuring.
-        in_waves(lambda wave: bare.generate(wave, params, use_tqdm=False), warm, width)
+        plain(bare, warm, width)()
         for arm in arms:
             if arm != "hf":
                 runner_for(arm, warm, width)()
@@ -261,11 +265,7 @@ def main() -> None:
         for repeat in range(arguments.repeats):
             for arm in arms:
                 requests = fresh_prompts(count)
-                arm_run = runner_for(arm, requests, width)
-
-                def bare_run(requests=requests, width=width) -> None:
-                    in_waves(lambda wave: bare.generate(wave, params, use_tqdm=False),
-                             requests, width)
+                arm_run, bare_run = runner_for(arm, requests, width), plain(bare, requests, width)
                 # Alternate which side of a pair runs first, so order effects cancel out.
                 if repeat % 2 == 0:
                     base, took = timed(bare_run), timed(arm_run)
