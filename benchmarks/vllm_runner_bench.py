@@ -277,14 +277,28 @@ def main() -> None:
                 print(f"concurrency {width} repeat {repeat + 1}/{arguments.repeats} {arm:>6}: "
                       f"bare {base:6.2f} s, arm {took:6.2f} s, ratio {base / took:.3f}",
                       flush=True)
-        measured[width] = Measured(ratios, seconds, bare_seconds, count * arguments.max_tokens)
-    report = render(arguments, arms, measured, model_dir)
+            measured[width] = Measured(ratios, seconds, bare_seconds,
+                                       count * arguments.max_tokens)
+            # Written after every repeat: a run cut short (the GPU's 10-minute calls) still
+            # leaves a report of what it measured.
+            publish(arguments, arms, measured, model_dir)
+    report = publish(arguments, arms, measured, model_dir)
     if not arguments.skip_memory and not arguments.shape and not torch.cuda.is_available():
         report += memory_section(arguments)
+        if not arguments.no_write:
+            Path(arguments.results).write_text(report)
     print(report)
+
+
+def publish(arguments: argparse.Namespace, arms: list[str], measured: dict[int, Measured],
+            model_dir: str) -> str:
+    """Render what was measured so far and, unless `--no-write`, write the page and its plot."""
+    report = render(arguments, arms, measured, model_dir)
     if not arguments.no_write:
+        Path(arguments.results).parent.mkdir(parents=True, exist_ok=True)
         Path(arguments.results).write_text(report)
         plot(arms, measured, Path(arguments.plot))
+    return report
 
 
 def _status_gib(field: str) -> float:
@@ -363,7 +377,8 @@ def render(arguments: argparse.Namespace, arms: list[str], measured: dict[int, M
         f"{arguments.dtype}, in-process engines, ours and the bare one eager. Prompts of "
         f"32-256 random tokens, {arguments.max_tokens} generated tokens each; at concurrency "
         f"c each run sends max(c, {arguments.min_requests}) requests in waves of c. "
-        f"{arguments.repeats} repeats; each arm is paired with a bare-engine run on the same "
+        f"{min(len(r.bare_seconds) // len(arms) for r in measured.values())} repeats; "
+        "each arm is paired with a bare-engine run on the same "
         "fresh prompts, order alternating; the ratio of a pair is bare time / arm time "
         "(1.0 = free). Medians, min-max over repeats.",
         "",

@@ -68,7 +68,7 @@ bench() {
   # One concurrency level per call: at concurrency 1 the eager engines take ~15 s a run on the
   # H200 (one request at a time), so three levels do not fit one 10-minute call.
   local shape=${1:-smollm2-135m} concurrency=${2:-64} repeats=${3:-3}
-  local name="bench-$shape-c$concurrency"
+  local name="bench-$shape-c${concurrency//,/-}"
   $python benchmarks/vllm_runner_bench.py --shape "$shape" --dtype bfloat16 --graphs \
     --concurrency "$concurrency" --min-requests 4 --repeats "$repeats" \
     --gpu-memory-utilization 0.25 --results "$out/$name.md" --plot "$out/$name.png" \
