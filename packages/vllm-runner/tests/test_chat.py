@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import same_logprobs
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
@@ -31,5 +32,5 @@ def test_chat_takes_a_list_of_conversations_with_one_program_each(llm) -> None:
     steered, plain = llm.chat([CONVERSATION, CONVERSATION], params,
                               [[ops.Add("layers.0.layer_output", steer)], []], use_tqdm=False)
     (alone,) = llm.engine.chat(CONVERSATION, params, use_tqdm=False)
-    assert plain.outputs[0].logprobs == alone.outputs[0].logprobs
-    assert steered.outputs[0].logprobs != alone.outputs[0].logprobs
+    assert same_logprobs(plain, alone)
+    assert not same_logprobs(steered, alone)
