@@ -130,7 +130,8 @@ def test_stream_block_mid_is_read_only_and_says_what_to_edit() -> None:
 
 
 def test_rowwise_codecs_read_a_slab_as_the_concatenation_of_its_row_runs() -> None:
-    """What lets a runner read a value once for many requests and hand each its rows."""
+    """What lets a runner read (and write) a value once for many requests and hand each its
+    rows."""
     from tokenspan import StepLayout, narrow
     from vllm_envoys import Heads, Rows, Stream
     from vllm_envoys.codecs import Probabilities
@@ -151,3 +152,13 @@ def test_rowwise_codecs_read_a_slab_as_the_concatenation_of_its_row_runs() -> No
         parts = [codec.decode(narrow(piece, layout[key], layout), nn.Identity())
                  for key in "abc"]
         assert torch.equal(whole, torch.cat(parts, dim=axis)), type(codec).__name__
+        if not codec.writable:
+            continue
+        edited = torch.randn_like(whole)  # written back once for the slab, or run by run
+        slab = codec.encode(piece, nn.Identity(), edited)
+        runs = [codec.encode(narrow(piece, layout[key], layout), nn.Identity(), part)
+                for key, part in zip("abc", edited.split([2, 5, 1], dim=axis), strict=True)]
+        for index, leaf in enumerate(slab if isinstance(slab, tuple) else (slab,)):
+            pieces = [run[index] if isinstance(run, tuple) else run for run in runs]
+            rows_axis = list(leaf.shape).index(8)  # the raw piece's own tokens axis
+            assert torch.equal(leaf, torch.cat(pieces, dim=rows_axis)), type(codec).__name__

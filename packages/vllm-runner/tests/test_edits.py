@@ -84,19 +84,38 @@ def transformers_run(model, prompt: list[int], install) -> tuple[list[int], list
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_edit_equals_transformers_by_hand(llm, reference, name) -> None:
+    """Three requests run the same edit, one runs none. The three are edited together
+    (`Runtime._serve_together`): requests 0 and 1 as one run of rows wherever they are
+    adjacent (every decode step), request 3 as a run of its own. Each edited request equals
+    transformers; the plain one is untouched."""
     op, install = CASES[name]
     params = SamplingParams(max_tokens=GENERATED, temperature=0.0, logprobs=0)
-    (edited, plain) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])] * 2, params,
-                                   interventions=[[op], []], use_tqdm=False)
-    assert edited.error is None
+    *edits, plain, last = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])] * 4, params,
+                                       interventions=[[op], [op], [], [op]], use_tqdm=False)
     tokens, logprobs = transformers_run(reference, PROMPTS[1], install)
-    completion = edited.outputs[0]
-    assert list(completion.token_ids) == tokens
-    chosen = [step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)]
-    assert torch.allclose(torch.tensor(chosen), torch.tensor(logprobs), atol=1e-4)
+    for edited in (*edits, last):
+        assert edited.error is None
+        completion = edited.outputs[0]
+        assert list(completion.token_ids) == tokens
+        chosen = [step[token].logprob
+                  for step, token in zip(completion.logprobs, tokens, strict=True)]
+        assert torch.allclose(torch.tensor(chosen), torch.tensor(logprobs), atol=1e-4)
     plain_logprobs = [step[token].logprob for step, token in
                       zip(plain.outputs[0].logprobs, plain.outputs[0].token_ids, strict=True)]
     assert plain_logprobs != chosen, "the edit had no effect"
+
+
+def test_a_value_sized_for_two_rows_does_not_fit_two_requests_edited_together(llm) -> None:
+    """Two one-token prompts share a step as two adjacent rows; a `Set` value of two rows
+    fits that run but neither request's own single row: each request fails alone, as it
+    would if it ran alone, instead of each getting one of the two rows."""
+    rows = torch.randn(2, 128, generator=torch.Generator().manual_seed(2))
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=[5]), TokensPrompt(prompt_token_ids=[9])],
+                           SamplingParams(max_tokens=1, temperature=0.0),
+                           interventions=[[ops.Set("layers.0.layer_output", rows)]] * 2,
+                           use_tqdm=False)
+    assert all(output.error is not None and "set at layers.0.layer_output" in output.error
+               for output in outputs), [output.error for output in outputs]
 
 
 def test_skip_makes_a_layer_pass_its_input_through_for_one_request(llm, reference) -> None:

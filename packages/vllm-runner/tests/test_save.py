@@ -139,20 +139,22 @@ def test_several_samples_of_a_programmed_request_are_refused(llm) -> None:
 
 def test_requests_saving_the_same_value_share_one_read_and_each_equal_transformers(
         llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every request saves every layer, so each step reads each value once for all of them
-    (`Runtime._saved_together`); request 1 also steers layer 1, so its layer 1 is served on its
-    own. Each request's rows must still be its own, in position order, over chunked steps."""
+    """Requests 0 and 2 run the same program (every layer saved), so each step reads each
+    value once for both (`Runtime._serve_together`); request 1 also steers layer 1, a program
+    of its own. Each request's rows must still be its own, in position order, over chunked
+    steps."""
     from vllm_runner.runtime import Runtime
 
     shared: list[int] = []
-    original = Runtime._saved_together
+    original = Runtime._serve_together
 
-    def counting(self, *args, **kwargs):
-        keys = original(self, *args, **kwargs)
-        shared.append(len(keys))
-        return keys
+    def counting(self, value, raw, members, *args, **kwargs):
+        served = original(self, value, raw, members, *args, **kwargs)
+        if served and members[0].op["op"] == "save":
+            shared.append(len(members))
+        return served
 
-    monkeypatch.setattr(Runtime, "_saved_together", counting)
+    monkeypatch.setattr(Runtime, "_serve_together", counting)
     vector = torch.randn(128, generator=torch.Generator().manual_seed(3))
     everything = [ops.Save("layers.*.layer_output"), ops.Save("layers.*.mlp_neurons")]
     programs = [everything, [*everything, ops.Add("layers.1.layer_output", vector)], everything]

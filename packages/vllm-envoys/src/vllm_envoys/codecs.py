@@ -23,8 +23,9 @@ class Codec:
 
     writable = True
     #: Decoding a slab of rows equals decoding each run of its rows and concatenating the
-    #: results along the value's tokens axis. A runner may then read a value once for many
-    #: requests and hand each its rows; codecs that mix rows (a pattern) leave this False.
+    #: results along the value's tokens axis, and likewise for encoding. A runner may then read
+    #: (and write) a value once for many requests and hand each its rows; codecs that mix rows
+    #: (a pattern) leave this False.
     rowwise = False
 
     def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:

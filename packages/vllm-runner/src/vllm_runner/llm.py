@@ -22,11 +22,11 @@ from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op, Skip
 from vllm_runner.program import (
     EXTRA_ARGS_KEY,
-    cache_salt,
     collection_filters,
     encode,
     encode_ops,
     new_key,
+    program_digest,
 )
 from vllm_runner.settings import READS_VARIABLE, read_mode
 from vllm_runner.store import from_bytes
@@ -165,11 +165,11 @@ class LLM:
                 signature = tuple(map(id, ops))
                 if signature not in encoded:
                     data = encode_ops(ops)
-                    encoded[signature] = (data, cache_salt(data))
+                    encoded[signature] = (data, program_digest(data))
                 data, salt = encoded[signature]
                 key = new_key()
                 param.extra_args = {**(param.extra_args or {}),
-                                    EXTRA_ARGS_KEY: encode(key, data)}
+                                    EXTRA_ARGS_KEY: encode(key, data, salt)}
                 request.setdefault("cache_salt", salt)
                 filters.append(collection_filters(data))
                 # A prefix-cache hit would skip the prompt rows the program must see: requests

@@ -27,13 +27,16 @@ def encode_ops(ops: Sequence[Op]) -> list[dict[str, Any]]:
     return [op.to_data() for op in ops]
 
 
-def encode(key: str, ops_data: list[dict[str, Any]]) -> dict[str, Any]:
-    """The `extra_args` entry for a request whose ops were encoded by `encode_ops`."""
-    return {"key": key, "ops": ops_data}
+def encode(key: str, ops_data: list[dict[str, Any]], digest: str | None = None) -> dict[str, Any]:
+    """The `extra_args` entry for a request whose ops were encoded by `encode_ops`. `digest`
+    (`program_digest(ops_data)`) names the program: the worker serves requests with the same
+    digest together (one read per value for all of them)."""
+    return {"key": key, "ops": ops_data, "digest": digest}
 
 
-def cache_salt(ops_data: list[dict[str, Any]]) -> str:
-    """A prefix-cache salt that only requests running the very same program share."""
+def program_digest(ops_data: list[dict[str, Any]]) -> str:
+    """A name that only requests running the very same program share (also their prefix-cache
+    salt)."""
     text = json.dumps(ops_data, sort_keys=True, default=_bytes_as_hex)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -18,6 +18,7 @@ from torch import nn
 from tpfragments import Fragments
 from vllm_envoys import Call, Step, Value, standardize
 
+from vllm_runner.groups import pieces, reading_plan, runs
 from vllm_runner.locations import resolve
 from vllm_runner.ops import tensor_from_data
 from vllm_runner.program import program_of
@@ -29,6 +30,8 @@ from vllm_runner.store import SaveStore
 # step's tokens, served in this order by one hook on the logits processor.
 PER_SAMPLED_ROW = ("logits", "next_token_probs")
 SAMPLER_HOOK = "logits"
+# Ops a group of requests can share one read (and write) for: the same on every row.
+TOGETHER = ("save", "add", "set", "scale", "zero", "project_out")
 
 
 def _hooked_at(location: str) -> str:
@@ -58,10 +61,11 @@ class Want:
 
 @dataclass(frozen=True)
 class Visits:
-    """The rows of one kind of visit this step (tokens, or sampled rows) and who waits there."""
+    """The rows of one kind of visit this step (tokens, or sampled rows) and who waits there:
+    per location, groups of wants, one group per op of one program (`groups.py`)."""
 
     layout: StepLayout | None
-    wants: dict[str, list[Want]]
+    wants: dict[str, list[list[Want]]]
 
 
 NOTHING = Visits(None, {})
@@ -135,26 +139,45 @@ class Runtime:
         lasts = [first + int(end - start) - 1
                  for first, start, end in zip(firsts, offsets[:-1], offsets[1:], strict=True)]
         sampled = StepLayout.from_counts(request_ids, [1] * count, lasts)
-        tokens: dict[str, list[Want]] = defaultdict(list)
-        rows: dict[str, list[Want]] = defaultdict(list)
+        tokens: dict[str, list[list[Want]]] = defaultdict(list)
+        rows: dict[str, list[list[Want]]] = defaultdict(list)
+        token_groups: dict[tuple[str, int], list[Want]] = {}
+        sampled_groups: dict[tuple[str, int], list[Want]] = {}
         for request_id, state, program in programs:
+            key = program["key"]
             span = layout[request_id]
             prompt_length = len(state.prompt_token_ids)
             step = Step(span.first_position, len(span), prompt_length)
             last = sampled[request_id]
             # A chunk that ends before the prompt does is not sampled: its logits are dropped.
             is_sampled = last.first_position >= prompt_length - 1
-            for op in program["ops"]:
-                for location in self._locations_of(op):
-                    if location not in PER_SAMPLED_ROW:
-                        tokens[location].append(Want(program["key"], span, step, op))
-                    elif is_sampled:
-                        rows[location].append(Want(program["key"], last,
-                                                   Step(last.first_position, 1, prompt_length),
-                                                   op))
+            last_step = Step(last.first_position, 1, prompt_length)
+            digest = program.get("digest") or key
+            for index, op in enumerate(program["ops"]):
+                self._join(token_groups, tokens, (digest, index), Want(key, span, step, op),
+                           sampled=False)
+                if is_sampled:
+                    self._join(sampled_groups, rows, (digest, index),
+                               Want(key, last, last_step, op), sampled=True)
         self._tokens = Visits(layout, dict(tokens))
         self._sampled = Visits(sampled, dict(rows))
         self._sync_hooks()
+
+    def _join(self, groups: dict[tuple[str, int], list[Want]],
+              wants: dict[str, list[list[Want]]], group: tuple[str, int], want: Want,
+              sampled: bool) -> None:
+        """Add `want` to its group: requests running the same program (the same digest) share
+        one list per op, registered at the op's locations once, so a step's bookkeeping grows
+        with its requests plus its programs' locations, not their product; the group is then
+        served with one read or one edit (`groups.py`). Within a program, ops at one location
+        keep their order."""
+        members = groups.get(group)
+        if members is None:
+            members = groups[group] = []
+            for location in self._locations_of(want.op):
+                if (location in PER_SAMPLED_ROW) == sampled:
+                    wants[location].append(members)
+        members.append(want)
 
     def end_step(self) -> None:
         """Forget the step's token rows (hooks stay installed while programs keep wanting them);
@@ -218,81 +241,107 @@ class Runtime:
         """Run every waiting request's op on its own rows; edits are written into the engine's
         tensors in place (tokenspan.widen), only on the request's rows."""
         layout = visits.layout
+        groups = visits.wants[location]
         if location in PER_SAMPLED_ROW and _rows(raw) != len(layout):
-            for want in visits.wants[location]:
+            for want in (want for members in groups for want in members):
                 self.store.fail(want.key, f"{location}: the sampler got {_rows(raw)} rows for "
                                           f"{len(layout)} requests (speculative decoding is not "
                                           "supported with logits ops)")
             return
         token_axis = _token_axis(value)
-        wants = visits.wants[location]
-        together = self._saved_together(value, raw, wants, layout, token_axis)
-        if together:
-            wants = [want for want in wants if want.key not in together]
-        for want in wants:
-            if value.reason(want.step) is not None:
-                continue  # e.g. the pattern outside a whole-prompt step
-            try:
-                rows = narrow(raw, want.span, layout)
-                kind = want.op["op"]
-                if kind == "call":
-                    # Lent in the op's read mode by `_call`, not copied here first.
-                    self._call(want, value, raw, rows, location, layout)
-                    continue
-                if kind == "save" and not self.keeps_saves:
-                    continue  # a rank other than 0 under tensor parallelism: nothing to copy
-                current = value.read(rows, want.step)
-                if kind == "lens":
-                    self._lens(want, current, location)
-                elif kind == "save":
-                    self.store.save(want.key, location, want.span.first_position, current,
-                                    token_axis)
-                elif kind == "skip":
-                    layer = want.op["location"]
-                    if location.endswith(".layer_input"):
-                        self._skipped[(want.key, layer)] = current
-                    else:
-                        replacement = self._skipped.pop((want.key, layer))
-                        widen(raw, want.span, layout,
-                              value.write(rows, replacement, want.step))
-                else:
-                    edited = _edited(want, current, token_axis, value.eproperty.layout)
-                    widen(raw, want.span, layout, value.write(rows, edited, want.step))
-            except Exception as error:  # one request's failure must not stop the engine
-                self.store.fail(want.key, f"{want.op['op']} at {location}: "
-                                          f"{type(error).__name__}: {error}")
+        for members in groups:
+            if len(members) > 1 and self._serve_together(value, raw, members, layout,
+                                                         token_axis):
+                continue
+            for want in members:
+                self._serve_one(want, value, raw, layout, token_axis)
 
-    def _saved_together(self, value: Value, raw: Any, wants: list[Want], layout: StepLayout,
-                        token_axis: int | None) -> set[str]:
-        """Save, with one read of the whole step, the value for every request that only saves
-        it here; return their keys (the others are served one by one).
-
-        Each request keeps a slice of that one private copy instead of a copy of its own: the
-        per-request reads and per-row bookkeeping cost more than the copy itself when every
-        layer is saved. Only for values read row by row (`Codec.rowwise`), and only when the
-        savers own at least half the step's rows, so the copy is at most twice what is kept."""
-        if not self.keeps_saves or token_axis is None or not value.eproperty.codec.rowwise:
-            return set()
-        saving: dict[str, Want] = {}
-        others: set[str] = set()
-        for want in wants:
-            if want.op["op"] == "save" and value.reason(want.step) is None:
-                saving[want.key] = want
-            else:
-                others.add(want.key)
-        for key in others:
-            saving.pop(key, None)
-        if len(saving) < 2 or 2 * sum(len(w.span) for w in saving.values()) < layout.total:
-            return set()
-        try:
-            whole = value.read(narrow(raw, Span(0, layout.total), layout))
-        except Exception:
-            return set()  # served one by one, where each request gets its own error
+    def _serve_one(self, want: Want, value: Value, raw: Any, layout: StepLayout,
+                   token_axis: int | None) -> None:
+        """Run one request's op on its own rows."""
         location = value.location
-        for key, want in saving.items():
-            rows = whole.narrow(token_axis, want.span.start, len(want.span))
-            self.store.save(key, location, want.span.first_position, rows, token_axis)
-        return set(saving)
+        if value.reason(want.step) is not None:
+            return  # e.g. the pattern outside a whole-prompt step
+        try:
+            rows = narrow(raw, want.span, layout)
+            kind = want.op["op"]
+            if kind == "call":
+                # Lent in the op's read mode by `_call`, not copied here first.
+                self._call(want, value, raw, rows, location, layout)
+                return
+            if kind == "save" and not self.keeps_saves:
+                return  # a rank other than 0 under tensor parallelism: nothing to copy
+            current = value.read(rows, want.step)
+            if kind == "lens":
+                self._lens(want, current, location)
+            elif kind == "save":
+                self.store.save(want.key, location, want.span.first_position, current,
+                                token_axis)
+            elif kind == "skip":
+                layer = want.op["location"]
+                if location.endswith(".layer_input"):
+                    self._skipped[(want.key, layer)] = current
+                else:
+                    replacement = self._skipped.pop((want.key, layer))
+                    widen(raw, want.span, layout, value.write(rows, replacement, want.step))
+            else:
+                edited = _edited(want, current, token_axis, value.eproperty.layout)
+                widen(raw, want.span, layout, value.write(rows, edited, want.step))
+        except Exception as error:  # one request's failure must not stop the engine
+            self.store.fail(want.key, f"{want.op['op']} at {location}: "
+                                      f"{type(error).__name__}: {error}")
+
+    def _serve_together(self, value: Value, raw: Any, members: list[Want], layout: StepLayout,
+                        token_axis: int | None) -> bool:
+        """Serve a group of requests running the same save or edit with one read (and one
+        write) per run of adjacent rows instead of one per request; `False` leaves them to
+        `_serve_one`, which also gives each request its own error if something fails.
+
+        Per-request reads cost more than the copies themselves once a step holds dozens of
+        requests (on a GPU the step is a few milliseconds). Only for values read row by row
+        (`Codec.rowwise`) and ops that treat every row alike (no `positions` or `steps`)."""
+        op = members[0].op
+        kind = op["op"]
+        if (token_axis is None or not value.eproperty.codec.rowwise
+                or kind not in TOGETHER or _position_filter(op, 0) is not None
+                or any(value.reason(want.step) is not None for want in members)):
+            return False
+        if kind == "save" and not self.keeps_saves:
+            return True
+        step = members[0].step  # rowwise values serve every step alike
+        if kind == "save":
+            plan = reading_plan(members, layout.total)
+            try:
+                reads = [self.store.to_host(value.read(narrow(raw, run, layout), step))
+                         for run, _ in plan]
+            except Exception:
+                return False
+            location = value.location
+            for (run, inside), whole in zip(plan, reads, strict=True):
+                for want, rows in zip(inside, pieces(whole, run, inside, token_axis),
+                                      strict=True):
+                    self.store.save(want.key, location, want.span.first_position, rows,
+                                    token_axis)
+            return True
+        writes = []
+        try:
+            for run, inside in runs(members):
+                rows = narrow(raw, run, layout)
+                current = value.read(rows, step)
+                if not _same_on_every_row(op, current, token_axis):
+                    return False
+                edited = _edited(inside[0], current, token_axis, value.eproperty.layout)
+                writes.append((run, value.write(rows, edited, step)))
+        except Exception:
+            return False  # nothing written yet: served one by one, each with its own error
+        try:
+            for run, new_rows in writes:
+                widen(raw, run, layout, new_rows)
+        except Exception as error:
+            for want in members:
+                self.store.fail(want.key, f"{kind} at {value.location}: "
+                                          f"{type(error).__name__}: {error}")
+        return True
 
     def _lens(self, want: Want, current: torch.Tensor, location: str) -> None:
         """Top-k next-token probabilities of a residual value, through the model's own final
@@ -400,6 +449,19 @@ def _edited(want: Want, current: torch.Tensor, token_axis: int | None,
     else:
         raise ValueError(f"unknown op {kind!r}")
     return _only_kept_rows(want, current, edited, token_axis)
+
+
+def _same_on_every_row(op: dict[str, Any], current: torch.Tensor, token_axis: int) -> bool:
+    """Whether an edit's tensor, if it has one, is the same for every row (it does not extend
+    along the tokens axis): only then is editing many requests' rows at once the same as
+    editing each request's (a `[tokens, hidden]` value sized for one request must fail alone,
+    not fit two requests by chance)."""
+    data = op.get("vector") or op.get("value")
+    if data is None:
+        return True
+    shape = data["shape"]
+    reach = current.dim() - token_axis  # axes from the right, up to the tokens axis
+    return len(shape) < reach or shape[len(shape) - reach] == 1
 
 
 def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...],

@@ -1,0 +1,61 @@
+"""Row runs of a group of requests that share one op this step: where to read once for all.
+
+Requests running the same program are served together (`Runtime._serve_together`): the rows of
+adjacent requests form one run, read (and, for an edit, written) with one call instead of one per
+request. Pure functions of spans, kept apart from the runtime's hooks so they can be tested alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from tokenspan import Span
+
+
+class Member(Protocol):
+    """What grouping needs of a request's want: its rows this step."""
+
+    span: Span
+
+
+def runs(members: Sequence[Member]) -> list[tuple[Span, list[Member]]]:
+    """The members' rows as maximal runs of adjacent rows, in row order, each with the members
+    it holds (a step's requests own disjoint rows)."""
+    result: list[tuple[Span, list[Member]]] = []
+    for member in sorted(members, key=lambda m: m.span.start):
+        if result and result[-1][0].stop == member.span.start:
+            run, inside = result[-1]
+            result[-1] = (Span(run.start, member.span.stop), [*inside, member])
+        else:
+            result.append((Span(member.span.start, member.span.stop), [member]))
+    return result
+
+
+def reading_plan(members: Sequence[Member], total: int) -> list[tuple[Span, list[Member]]]:
+    """Where to read a value once for every member: each run of adjacent rows, or the whole
+    step when there are several runs and the members own at least half of its rows (one copy
+    of at most twice what is kept beats many small ones)."""
+    found = runs(members)
+    owned = sum(len(member.span) for member in members)
+    if len(found) > 1 and 2 * owned >= total:
+        return [(Span(0, total), [member for _, inside in found for member in inside])]
+    return found
+
+
+def pieces(whole: torch.Tensor, run: Span, inside: Sequence[Member],
+           axis: int) -> list[torch.Tensor]:
+    """Each member's rows of `whole` (the value read over `run`), as views, in `inside`'s order
+    (row order), split with one call rather than one slice per member."""
+    sizes, chosen, at = [], [], run.start
+    for member in inside:
+        if member.span.start > at:
+            sizes.append(member.span.start - at)  # rows of requests outside the group
+        chosen.append(len(sizes))
+        sizes.append(len(member.span))
+        at = member.span.stop
+    if at < run.stop:
+        sizes.append(run.stop - at)
+    split = whole.split(sizes, dim=axis)
+    return [split[index] for index in chosen]
