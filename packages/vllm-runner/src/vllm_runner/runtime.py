@@ -312,8 +312,7 @@ class Runtime:
         if kind == "save":
             plan = reading_plan(members, layout.total)
             try:
-                reads = [self.store.to_host(value.read(narrow(raw, run, layout), step))
-                         for run, _ in plan]
+                reads = [value.read(narrow(raw, run, layout), step) for run, _ in plan]
             except Exception:
                 return False
             location = value.location
