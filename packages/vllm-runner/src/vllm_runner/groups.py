@@ -23,14 +23,16 @@ class Member(Protocol):
 def runs(members: Sequence[Member]) -> list[tuple[Span, list[Member]]]:
     """The members' rows as maximal runs of adjacent rows, in row order, each with the members
     it holds (a step's requests own disjoint rows)."""
-    result: list[tuple[Span, list[Member]]] = []
+    bounds: list[list[int]] = []  # [start, stop] of each run, as it grows
+    inside: list[list[Member]] = []
     for member in sorted(members, key=lambda m: m.span.start):
-        if result and result[-1][0].stop == member.span.start:
-            run, inside = result[-1]
-            result[-1] = (Span(run.start, member.span.stop), [*inside, member])
+        if bounds and bounds[-1][1] == member.span.start:
+            bounds[-1][1] = member.span.stop
+            inside[-1].append(member)
         else:
-            result.append((Span(member.span.start, member.span.stop), [member]))
-    return result
+            bounds.append([member.span.start, member.span.stop])
+            inside.append([member])
+    return [(Span(start, stop), held) for (start, stop), held in zip(bounds, inside, strict=True)]
 
 
 def reading_plan(members: Sequence[Member], total: int) -> list[tuple[Span, list[Member]]]:

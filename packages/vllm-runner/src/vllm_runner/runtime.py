@@ -9,6 +9,7 @@ position is `positions[query_start_loc[i]]`.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +19,9 @@ from torch import nn
 from tpfragments import Fragments
 from vllm_envoys import Call, Step, Value, standardize
 
+from vllm_runner.edits import edit, only_kept_rows, position_filter, same_on_every_row
 from vllm_runner.groups import pieces, reading_plan, runs
 from vllm_runner.locations import resolve
-from vllm_runner.ops import tensor_from_data
 from vllm_runner.program import program_of
 from vllm_runner.settings import read_mode
 from vllm_runner.sharded import ShardedValues
@@ -96,6 +97,9 @@ class Runtime:
         self._skipped: dict[tuple[str, str], torch.Tensor] = {}
         # Unpickled `Call` functions per request key (unpickled once, not every step).
         self._functions: dict[str, dict[int, Any]] = {}
+        # This step's reading plans, per group of wants (by identity, checked: the lists live
+        # one step).
+        self._plans: dict[int, tuple[list[Want], list[tuple[Span, list[Want]]]]] = {}
 
     def resolve(self, pattern: str) -> list[str]:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
@@ -116,6 +120,7 @@ class Runtime:
 
     def begin_step(self, runner: Any, positions: torch.Tensor) -> None:
         """Read the step's layout from the runner and hook what its programs want."""
+        self._plans.clear()
         batch = runner.input_batch
         count = batch.num_reqs
         programs = []
@@ -285,7 +290,10 @@ class Runtime:
                     replacement = self._skipped.pop((want.key, layer))
                     widen(raw, want.span, layout, value.write(rows, replacement, want.step))
             else:
-                edited = _edited(want, current, token_axis, value.eproperty.layout)
+                edited = only_kept_rows(want.op, want.step.prompt_length,
+                                        want.span.first_position, current,
+                                        edit(want.op, current, value.eproperty.layout),
+                                        token_axis)
                 widen(raw, want.span, layout, value.write(rows, edited, want.step))
         except Exception as error:  # one request's failure must not stop the engine
             self.store.fail(want.key, f"{want.op['op']} at {location}: "
@@ -303,14 +311,20 @@ class Runtime:
         op = members[0].op
         kind = op["op"]
         if (token_axis is None or not value.eproperty.codec.rowwise
-                or kind not in TOGETHER or _position_filter(op, 0) is not None
+                or kind not in TOGETHER or position_filter(op, 0) is not None
                 or any(value.reason(want.step) is not None for want in members)):
             return False
         if kind == "save" and not self.keeps_saves:
             return True
         step = members[0].step  # rowwise values serve every step alike
         if kind == "save":
-            plan = reading_plan(members, layout.total)
+            # A group saving every layer visits as many locations as there are layers, with
+            # the same rows: plan the reads once per step.
+            planned = self._plans.get(id(members))
+            if planned is None or planned[0] is not members:
+                planned = self._plans[id(members)] = (members,
+                                                      reading_plan(members, layout.total))
+            plan = planned[1]
             try:
                 reads = [value.read(narrow(raw, run, layout), step) for run, _ in plan]
             except Exception:
@@ -324,12 +338,12 @@ class Runtime:
             return True
         writes = []
         try:
-            for run, inside in runs(members):
+            for run, _ in runs(members):
                 rows = narrow(raw, run, layout)
                 current = value.read(rows, step)
-                if not _same_on_every_row(op, current, token_axis):
+                if not same_on_every_row(op, current, token_axis):
                     return False
-                edited = _edited(inside[0], current, token_axis, value.eproperty.layout)
+                edited = edit(op, current, value.eproperty.layout)
                 writes.append((run, value.write(rows, edited, step)))
         except Exception:
             return False  # nothing written yet: served one by one, each with its own error
@@ -390,20 +404,29 @@ class Runtime:
 
     # ------------------------------------------------------------------ collection
 
-    def collect(self, key: str, computed: int, prompt_length: int,
-                ops: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """A request's saves, trimmed to its final output and filtered by its ops."""
+    def collect(self, requests: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+        """Finished requests' saves (each request: `key`, `computed`, `prompt_length`, `ops`),
+        trimmed to their final output, filtered by their ops, on the host; all at once, so
+        saves on a GPU cross to the host in a few large copies."""
+        return self.store.collect([
+            (request["key"], request["computed"],
+             self._filters(request["ops"], request["prompt_length"]))
+            for request in requests])
+
+    def _filters(self, ops: list[dict[str, Any]],
+                 prompt_length: int) -> dict[str, Callable[[int], bool] | None]:
+        """Per saved location, which positions a request's `save` and `lens` ops keep."""
         filters = {}
         for op in ops:
             if op["op"] not in ("save", "lens"):
                 continue
-            keep = _position_filter(op, prompt_length)
+            keep = position_filter(op, prompt_length)
             for location in self.resolve(op["location"]):
                 if op["op"] == "save":
                     filters[location] = keep
                 else:
                     filters[f"{location}.lens_tokens"] = filters[f"{location}.lens_probs"] = keep
-        return self.store.collect(key, computed, filters)
+        return filters
 
     def drop(self, keys: list[str]) -> None:
         """Forget requests that will never be collected: their saves, errors and functions."""
@@ -417,100 +440,6 @@ class Runtime:
         return self.store.error(key)
 
 
-def _edited(want: Want, current: torch.Tensor, token_axis: int | None,
-            layout: tuple[str, ...]) -> torch.Tensor:
-    """The value after the want's edit op, on the rows its `positions`/`steps` keep."""
-    op = want.op
-    kind = op["op"]
-    if kind == "add":
-        vector = _fitted(tensor_from_data(op["vector"]), current, layout, "Add's vector")
-        edited = current + vector.to(current.device, current.dtype) * op["scale"]
-    elif kind == "set":
-        value = _fitted(tensor_from_data(op["value"]), current, layout, "Set's value")
-        edited = value.to(current.device, current.dtype).expand_as(current).clone()
-    elif kind == "scale":
-        edited = current * op["factor"]
-    elif kind == "zero":
-        edited = current.clone()
-        if op.get("heads") is None:
-            edited.zero_()
-        else:
-            if "heads" not in layout and "kv_heads" not in layout:
-                raise ValueError(f"Zero(heads=...) needs a value with a heads axis, not "
-                                 f"[{' '.join(layout)}]")
-            axis = layout.index("heads" if "heads" in layout else "kv_heads")
-            edited.index_fill_(axis, torch.tensor(op["heads"], dtype=torch.long,
-                                                  device=current.device), 0.0)
-    elif kind == "project_out":
-        direction = tensor_from_data(op["direction"]).to(current.device, current.dtype)
-        unit = direction / direction.norm()
-        edited = current - (current @ unit).unsqueeze(-1) * unit
-    else:
-        raise ValueError(f"unknown op {kind!r}")
-    return _only_kept_rows(want, current, edited, token_axis)
-
-
-def _same_on_every_row(op: dict[str, Any], current: torch.Tensor, token_axis: int) -> bool:
-    """Whether an edit's tensor, if it has one, is the same for every row (it does not extend
-    along the tokens axis): only then is editing many requests' rows at once the same as
-    editing each request's (a `[tokens, hidden]` value sized for one request must fail alone,
-    not fit two requests by chance)."""
-    data = op.get("vector") or op.get("value")
-    if data is None:
-        return True
-    shape = data["shape"]
-    reach = current.dim() - token_axis  # axes from the right, up to the tokens axis
-    return len(shape) < reach or shape[len(shape) - reach] == 1
-
-
-def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...],
-            what: str) -> torch.Tensor:
-    """`tensor` if it broadcasts over the value as read, else an error that says which shape
-    would (the value's layout and this step's shape)."""
-    try:
-        torch.broadcast_shapes(tuple(tensor.shape), tuple(current.shape))
-    except RuntimeError:
-        raise ValueError(
-            f"{what} has shape {tuple(tensor.shape)}, which does not broadcast over the value "
-            f"[{' '.join(layout)}] (this step: {tuple(current.shape)}); e.g. give "
-            f"[{current.shape[-1]}] for a vector along its last axis") from None
-    return tensor
-
-
-def _only_kept_rows(want: Want, current: torch.Tensor, edited: torch.Tensor,
-                    token_axis: int | None) -> torch.Tensor:
-    """`edited` where the op's `positions`/`steps` keep the row, `current` elsewhere."""
-    keep = _position_filter(want.op, want.step.prompt_length)
-    if token_axis is None or keep is None:
-        return edited
-    first = want.span.first_position
-    for offset in range(current.shape[token_axis]):
-        if not keep(first + offset):
-            edited.select(token_axis, offset).copy_(current.select(token_axis, offset))
-    return edited
-
-
 def _token_axis(value: Value) -> int | None:
     layout = value.eproperty.layout
     return layout.index("tokens") if "tokens" in layout else None
-
-
-def _position_filter(op: dict[str, Any], prompt_length: int):
-    """`position -> bool` for an op's `positions` (negative: from the prompt's end) and `steps`;
-    `None` when the op keeps every position."""
-    positions = op.get("positions")
-    if positions is None and op.get("steps", "all") == "all":
-        return None
-    absolute = None if positions is None else {p + prompt_length if p < 0 else p
-                                               for p in positions}
-    steps = op.get("steps", "all")
-
-    def keep(position: int) -> bool:
-        if absolute is not None and position not in absolute:
-            return False
-        if steps == "prefill":
-            return position < prompt_length
-        if steps == "decode":
-            return position >= prompt_length
-        return True
-    return keep

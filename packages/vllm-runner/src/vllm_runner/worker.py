@@ -89,14 +89,10 @@ class WorkerRPC:
         for an in-process client, which saves three copies of everything saved."""
         runtime = self.model_runner.interp
         pack = to_bytes if as_bytes else dict
-        return pack({
-            request["key"]: {
-                "saved": runtime.collect(request["key"], request["computed"],
-                                         request["prompt_length"], request["ops"]),
-                "error": runtime.error(request["key"]),
-            }
-            for request in requests
-        })
+        saved = runtime.collect(requests)
+        return pack({request["key"]: {"saved": saved[request["key"]],
+                                      "error": runtime.error(request["key"])}
+                     for request in requests})
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
