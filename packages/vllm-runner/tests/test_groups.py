@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenspan import Span
-from vllm_runner.groups import pieces, reading_plan, runs
+from vllm_runner.groups import cuts, pieces, reading_plan, runs
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ def test_each_member_gets_exactly_its_rows(step, axis) -> None:
     seen = []
     for run, inside in reading_plan(members, total):
         whole = slab.narrow(axis, run.start, len(run))  # the value read over the run
-        for member, rows in zip(inside, pieces(whole, run, inside, axis), strict=True):
+        sizes, chosen = cuts(run, inside)
+        for member, rows in zip(inside, pieces(whole, sizes, chosen, axis), strict=True):
             assert torch.equal(rows, slab.narrow(axis, member.span.start, len(member.span)))
             seen.append(member)
     assert sorted(seen, key=lambda m: m.span.start) == sorted(members, key=lambda m: m.span.start)

@@ -46,10 +46,10 @@ def reading_plan(members: Sequence[Member], total: int) -> list[tuple[Span, list
     return found
 
 
-def pieces(whole: torch.Tensor, run: Span, inside: Sequence[Member],
-           axis: int) -> list[torch.Tensor]:
-    """Each member's rows of `whole` (the value read over `run`), as views, in `inside`'s order
-    (row order), split with one call rather than one slice per member."""
+def cuts(run: Span, inside: Sequence[Member]) -> tuple[list[int], list[int]]:
+    """How to split the value read over `run` into its members' rows: the sizes of the pieces
+    along the tokens axis (members' rows and the rows of requests between them) and the index
+    of each member's piece, in `inside`'s order (row order)."""
     sizes, chosen, at = [], [], run.start
     for member in inside:
         if member.span.start > at:
@@ -59,5 +59,12 @@ def pieces(whole: torch.Tensor, run: Span, inside: Sequence[Member],
         at = member.span.stop
     if at < run.stop:
         sizes.append(run.stop - at)
+    return sizes, chosen
+
+
+def pieces(whole: torch.Tensor, sizes: list[int], chosen: list[int],
+           axis: int) -> list[torch.Tensor]:
+    """The members' rows of `whole`, as views, split with one call rather than a slice each
+    (`sizes` and `chosen` from `cuts`)."""
     split = whole.split(sizes, dim=axis)
     return [split[index] for index in chosen]

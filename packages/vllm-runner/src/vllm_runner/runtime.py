@@ -20,7 +20,7 @@ from tpfragments import Fragments
 from vllm_envoys import Call, Step, Value, standardize
 
 from vllm_runner.edits import edit, only_kept_rows, position_filter, same_on_every_row
-from vllm_runner.groups import pieces, reading_plan, runs
+from vllm_runner.groups import cuts, pieces, reading_plan, runs
 from vllm_runner.locations import resolve
 from vllm_runner.program import program_of
 from vllm_runner.settings import read_mode
@@ -99,7 +99,7 @@ class Runtime:
         self._functions: dict[str, dict[int, Any]] = {}
         # This step's reading plans, per group of wants (by identity, checked: the lists live
         # one step).
-        self._plans: dict[int, tuple[list[Want], list[tuple[Span, list[Want]]]]] = {}
+        self._plans: dict[int, tuple[list[Want], list[Any]]] = {}
 
     def resolve(self, pattern: str) -> list[str]:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
@@ -312,29 +312,20 @@ class Runtime:
         kind = op["op"]
         if (token_axis is None or not value.eproperty.codec.rowwise
                 or kind not in TOGETHER or position_filter(op, 0) is not None
-                or any(value.reason(want.step) is not None for want in members)):
+                or not _served_at_every_step(value, members)):
             return False
         if kind == "save" and not self.keeps_saves:
             return True
         step = members[0].step  # rowwise values serve every step alike
         if kind == "save":
-            # A group saving every layer visits as many locations as there are layers, with
-            # the same rows: plan the reads once per step.
-            planned = self._plans.get(id(members))
-            if planned is None or planned[0] is not members:
-                planned = self._plans[id(members)] = (members,
-                                                      reading_plan(members, layout.total))
-            plan = planned[1]
+            plan = self._reading_plan(members, layout)
             try:
-                reads = [value.read(narrow(raw, run, layout), step) for run, _ in plan]
+                reads = [value.read(narrow(raw, run, layout), step) for run, *_ in plan]
             except Exception:
                 return False
-            location = value.location
-            for (run, inside), whole in zip(plan, reads, strict=True):
-                for want, rows in zip(inside, pieces(whole, run, inside, token_axis),
-                                      strict=True):
-                    self.store.save(want.key, location, want.span.first_position, rows,
-                                    token_axis)
+            for (_, sizes, chosen, owners), whole in zip(plan, reads, strict=True):
+                self.store.save_rows(value.location, token_axis, owners,
+                                     pieces(whole, sizes, chosen, token_axis))
             return True
         writes = []
         try:
@@ -355,6 +346,22 @@ class Runtime:
                 self.store.fail(want.key, f"{kind} at {value.location}: "
                                           f"{type(error).__name__}: {error}")
         return True
+
+    def _reading_plan(self, members: list[Want], layout: StepLayout) -> list[
+            tuple[Span, list[int], list[int], list[tuple[str, int]]]]:
+        """Where to read a group's value this step and how to cut it: per read, the run of
+        rows, the cuts (`groups.cuts`) and each piece's owner (key, first position). Made once
+        per step: a group saving every layer visits as many locations as there are layers,
+        with the same rows."""
+        planned = self._plans.get(id(members))
+        if planned is None or planned[0] is not members:
+            plan = []
+            for run, inside in reading_plan(members, layout.total):
+                sizes, chosen = cuts(run, inside)
+                owners = [(want.key, want.span.first_position) for want in inside]
+                plan.append((run, sizes, chosen, owners))
+            planned = self._plans[id(members)] = (members, plan)
+        return planned[1]
 
     def _lens(self, want: Want, current: torch.Tensor, location: str) -> None:
         """Top-k next-token probabilities of a residual value, through the model's own final
@@ -438,6 +445,14 @@ class Runtime:
         """Why a request's program failed, or `None`; forgets the request's functions too."""
         self._functions.pop(key, None)
         return self.store.error(key)
+
+
+def _served_at_every_step(value: Value, members: list[Want]) -> bool:
+    """Whether `value` can be served at each member's step. Most values say so once, whatever
+    the step; only a step-dependent reason (a callable) is asked member by member."""
+    if not callable(value.eproperty.unavailable):
+        return value.eproperty.unavailable is None
+    return all(value.reason(want.step) is None for want in members)
 
 
 def _token_axis(value: Value) -> int | None:

@@ -52,6 +52,15 @@ class SaveStore:
             return
         chunks.append((first_position, value))
 
+    def save_rows(self, location: str, token_axis: int,
+                  owners: list[tuple[str, int]], values: list[torch.Tensor]) -> None:
+        """`save` for many requests at one location: `values[i]` are the rows of
+        `owners[i] = (key, first position)` (one loop, for requests served together)."""
+        chunks, axes = self._chunks, self._axes
+        for (key, first_position), value in zip(owners, values, strict=True):
+            axes[(key, location)] = token_axis
+            chunks[key][location].append((first_position, value))
+
     def collect(self, requests: list[tuple[str, int, dict[str, Callable[[int], bool] | None]]]
                 ) -> dict[str, dict[str, torch.Tensor]]:
         """Everything saved for each `(key, computed, wanted)`, in position order, below
