@@ -115,6 +115,7 @@ def test_a_value_sized_for_two_rows_does_not_fit_two_requests_edited_together(ll
                            interventions=[[ops.Set("layers.0.layer_output", rows)]] * 2,
                            use_tqdm=False)
     assert all(output.error is not None and "set at layers.0.layer_output" in output.error
+               and "has shape (2, 128), which does not broadcast over the value" in output.error
                for output in outputs), [output.error for output in outputs]
 
 

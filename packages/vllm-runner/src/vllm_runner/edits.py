@@ -62,12 +62,14 @@ def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...]
     """`tensor` if it broadcasts over the value as read, else an error that says which shape
     would (the value's layout and this step's shape)."""
     try:
-        torch.broadcast_shapes(tuple(tensor.shape), tuple(current.shape))
+        fits = torch.broadcast_shapes(tuple(tensor.shape), tuple(current.shape)) == current.shape
     except RuntimeError:
+        fits = False
+    if not fits:  # e.g. two rows for a request that has one this step
         raise ValueError(
             f"{what} has shape {tuple(tensor.shape)}, which does not broadcast over the value "
             f"[{' '.join(layout)}] (this step: {tuple(current.shape)}); e.g. give "
-            f"[{current.shape[-1]}] for a vector along its last axis") from None
+            f"[{current.shape[-1]}] for a vector along its last axis")
     return tensor
 
 
