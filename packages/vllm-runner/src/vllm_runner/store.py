@@ -71,8 +71,12 @@ class SaveStore:
         tokens but the last); rows beyond it came from steps the scheduler ran ahead.
         `wanted[location]` keeps a position or not (`None`: every position).
         """
-        found = {key: self._rows(key, computed, wanted) for key, computed, wanted in requests}
-        _move_to_host(found)
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        mover = _ToHost()
+        for key, computed, wanted in requests:
+            found[key] = self._rows(key, computed, wanted)
+            mover.add(found[key])  # request by request: at most a batch is joined at a time
+        mover.flush()
         return found
 
     def _rows(self, key: str, computed: int,
@@ -105,28 +109,35 @@ class SaveStore:
 HOST_BATCH_BYTES = 256 * 2**20
 
 
-def _move_to_host(found: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Replace every tensor in `found` by a host tensor of its own memory, in place.
+class _ToHost:
+    """Replaces tensors of saved dicts by host tensors of their own memory.
 
     On a GPU a copy per tensor waits for the device each time (with every layer saved for 64
-    requests that was 13% of a run on the H200), so device tensors are joined and copied in a
-    few large batches, then split into tensors of their own. On the host only slices are
-    cloned: a slice of a step read shared by several requests (`Runtime._serve_together`)
-    would otherwise keep every request's rows alive."""
-    batch: list[tuple[dict[str, torch.Tensor], str, torch.Tensor]] = []
-    size = 0
-    for saved in found.values():
+    requests that was 13% of a run on the H200), so device tensors are joined and copied in
+    batches of about `HOST_BATCH_BYTES`, then split into tensors of their own. On the host only
+    slices are cloned: a slice of a step read shared by several requests
+    (`Runtime._serve_together`) would otherwise keep every request's rows alive."""
+
+    def __init__(self) -> None:
+        self._batch: list[tuple[dict[str, torch.Tensor], str, torch.Tensor]] = []
+        self._size = 0
+
+    def add(self, saved: dict[str, torch.Tensor]) -> None:
+        """Move `saved`'s tensors (in place): host ones now, device ones with their batch."""
         for location, rows in saved.items():
             if not _on_a_device(rows):
                 if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
                     saved[location] = rows.clone()
                 continue
-            batch.append((saved, location, rows))
-            size += rows.numel() * rows.element_size()
-            if size >= HOST_BATCH_BYTES:
-                _copy_batch(batch)
-                batch, size = [], 0
-    _copy_batch(batch)
+            self._batch.append((saved, location, rows))
+            self._size += rows.numel() * rows.element_size()
+        if self._size >= HOST_BATCH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Copy the waiting device tensors now."""
+        _copy_batch(self._batch)
+        self._batch, self._size = [], 0
 
 
 def _on_a_device(rows: torch.Tensor) -> bool:
