@@ -282,7 +282,8 @@ def main() -> None:
             # Written after every repeat: a run cut short (the GPU's 10-minute calls) still
             # leaves a report of what it measured.
             publish(arguments, arms, measured, model_dir)
-    report = publish(arguments, arms, measured, model_dir)
+    # The page and plot were written after the last repeat; only the memory section is new.
+    report = render(arguments, arms, measured, model_dir)
     if not arguments.skip_memory and not arguments.shape and not torch.cuda.is_available():
         report += memory_section(arguments)
         if not arguments.no_write:

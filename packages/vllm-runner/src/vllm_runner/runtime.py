@@ -60,13 +60,25 @@ class Want:
     op: dict[str, Any]
 
 
+class Group(list):
+    """The wants of one op of one program this step (requests running the same program), and
+    `plan`: how a save reads them, made at the group's first visit — a group saving every
+    layer visits as many locations as there are layers, with the same rows."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan: list[tuple[Span, list[int], list[int], list[tuple[str, int]]]] | None = None
+
+
 @dataclass(frozen=True)
 class Visits:
     """The rows of one kind of visit this step (tokens, or sampled rows) and who waits there:
     per location, groups of wants, one group per op of one program (`groups.py`)."""
 
     layout: StepLayout | None
-    wants: dict[str, list[list[Want]]]
+    wants: dict[str, list[Group]]
 
 
 NOTHING = Visits(None, {})
@@ -97,9 +109,6 @@ class Runtime:
         self._skipped: dict[tuple[str, str], torch.Tensor] = {}
         # Unpickled `Call` functions per request key (unpickled once, not every step).
         self._functions: dict[str, dict[int, Any]] = {}
-        # This step's reading plans, per group of wants (by identity, checked: the lists live
-        # one step).
-        self._plans: dict[int, tuple[list[Want], list[Any]]] = {}
 
     def resolve(self, pattern: str) -> list[str]:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
@@ -120,7 +129,6 @@ class Runtime:
 
     def begin_step(self, runner: Any, positions: torch.Tensor) -> None:
         """Read the step's layout from the runner and hook what its programs want."""
-        self._plans.clear()
         batch = runner.input_batch
         count = batch.num_reqs
         programs = []
@@ -144,10 +152,10 @@ class Runtime:
         lasts = [first + int(end - start) - 1
                  for first, start, end in zip(firsts, offsets[:-1], offsets[1:], strict=True)]
         sampled = StepLayout.from_counts(request_ids, [1] * count, lasts)
-        tokens: dict[str, list[list[Want]]] = defaultdict(list)
-        rows: dict[str, list[list[Want]]] = defaultdict(list)
-        token_groups: dict[tuple[str, int], list[Want]] = {}
-        sampled_groups: dict[tuple[str, int], list[Want]] = {}
+        tokens: dict[str, list[Group]] = defaultdict(list)
+        rows: dict[str, list[Group]] = defaultdict(list)
+        token_groups: dict[tuple[str, int], Group] = {}
+        sampled_groups: dict[tuple[str, int], Group] = {}
         for request_id, state, program in programs:
             key = program["key"]
             span = layout[request_id]
@@ -168,9 +176,8 @@ class Runtime:
         self._sampled = Visits(sampled, dict(rows))
         self._sync_hooks()
 
-    def _join(self, groups: dict[tuple[str, int], list[Want]],
-              wants: dict[str, list[list[Want]]], group: tuple[str, int], want: Want,
-              sampled: bool) -> None:
+    def _join(self, groups: dict[tuple[str, int], Group], wants: dict[str, list[Group]],
+              group: tuple[str, int], want: Want, sampled: bool) -> None:
         """Add `want` to its group: requests running the same program (the same digest) share
         one list per op, registered at the op's locations once, so a step's bookkeeping grows
         with its requests plus its programs' locations, not their product; the group is then
@@ -178,7 +185,7 @@ class Runtime:
         keep their order."""
         members = groups.get(group)
         if members is None:
-            members = groups[group] = []
+            members = groups[group] = Group()
             for location in self._locations_of(want.op):
                 if (location in PER_SAMPLED_ROW) == sampled:
                     wants[location].append(members)
@@ -299,7 +306,7 @@ class Runtime:
             self.store.fail(want.key, f"{want.op['op']} at {location}: "
                                       f"{type(error).__name__}: {error}")
 
-    def _serve_together(self, value: Value, raw: Any, members: list[Want], layout: StepLayout,
+    def _serve_together(self, value: Value, raw: Any, members: Group, layout: StepLayout,
                         token_axis: int | None) -> bool:
         """Serve a group of requests running the same save or edit with one read (and one
         write) per run of adjacent rows instead of one per request; `False` leaves them to
@@ -347,21 +354,18 @@ class Runtime:
                                           f"{type(error).__name__}: {error}")
         return True
 
-    def _reading_plan(self, members: list[Want], layout: StepLayout) -> list[
+    def _reading_plan(self, members: Group, layout: StepLayout) -> list[
             tuple[Span, list[int], list[int], list[tuple[str, int]]]]:
         """Where to read a group's value this step and how to cut it: per read, the run of
-        rows, the cuts (`groups.cuts`) and each piece's owner (key, first position). Made once
-        per step: a group saving every layer visits as many locations as there are layers,
-        with the same rows."""
-        planned = self._plans.get(id(members))
-        if planned is None or planned[0] is not members:
-            plan = []
+        rows, the cuts (`groups.cuts`) and each piece's owner (key, first position); made at
+        the group's first visit and kept with it."""
+        if members.plan is None:
+            members.plan = []
             for run, inside in reading_plan(members, layout.total):
                 sizes, chosen = cuts(run, inside)
                 owners = [(want.key, want.span.first_position) for want in inside]
-                plan.append((run, sizes, chosen, owners))
-            planned = self._plans[id(members)] = (members, plan)
-        return planned[1]
+                members.plan.append((run, sizes, chosen, owners))
+        return members.plan
 
     def _lens(self, want: Want, current: torch.Tensor, location: str) -> None:
         """Top-k next-token probabilities of a residual value, through the model's own final
