@@ -51,13 +51,34 @@ suites() {
       packages/vllm-envoys/tests/test_equivalence.py packages/vllm-envoys/tests/test_values.py \
       > "$out/envoys-pytest.txt" 2>&1
   else
-    local tp=--ignore=packages/vllm-runner/tests/test_tensor_parallel.py
-    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && tp=
-    $python -m pytest "${report[@]}" packages/vllm-runner/tests $tp \
-      --ignore=packages/vllm-runner/tests/test_embedded.py \
-      --ignore=packages/vllm-runner/tests/test_cli.py \
-      --ignore=packages/vllm-runner/tests/test_extract.py \
-      --ignore=packages/vllm-runner/tests/test_guide.py > "$out/runner-pytest.txt" 2>&1
+    # Without the tests named above and tensor parallelism, the files split in two halves that run
+    # side by side, one per GPU (each its own engine); TP=2 then runs on both GPUs.
+    local files=() half=(0 1) status=0
+    for f in packages/vllm-runner/tests/test_*.py; do
+      case $(basename "$f") in
+        test_embedded.py|test_cli.py|test_extract.py|test_guide.py|test_tensor_parallel.py) ;;
+        *) files+=("$f") ;;
+      esac
+    done
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      for g in 0 1; do
+        local part=()
+        for i in "${!files[@]}"; do [ $((i % 2)) = "$g" ] && part+=("${files[$i]}"); done
+        CUDA_VISIBLE_DEVICES=$g $python -m pytest "${report[@]}" "${part[@]}" \
+          > "$out/runner-$g.txt" 2>&1 &
+        half[$g]=$!
+      done
+      wait "${half[0]}" || status=1
+      wait "${half[1]}" || status=1
+      $python -m pytest "${report[@]}" packages/vllm-runner/tests/test_tensor_parallel.py \
+        > "$out/runner-tp.txt" 2>&1 || status=1
+      cat "$out/runner-0.txt" "$out/runner-1.txt" "$out/runner-tp.txt" > "$out/runner-pytest.txt"
+      rm "$out/runner-0.txt" "$out/runner-1.txt" "$out/runner-tp.txt"
+    else
+      $python -m pytest "${report[@]}" "${files[@]}" > "$out/runner-pytest.txt" 2>&1 || status=1
+    fi
+    tail -60 "$out/runner-pytest.txt"
+    return $status
   fi
   local status=$?
   tail -40 "$out/$which-pytest.txt"
