@@ -151,6 +151,28 @@ def hf_runner(model_dir: str, requests: list, max_tokens: int, dtype: str,
     return run
 
 
+def profile_arms(arms: list[str], runs: dict[str, Callable[[], object]], path: Path) -> None:
+    """Where each arm's time goes (cProfile, in-process engine: our hooks included), for finding
+    what a slow arm spends its time on; with a GPU, waits for the device show as the calls that
+    wait (`.cpu()`, `.item()`, `.tolist()`)."""
+    import cProfile
+    import io
+    import pstats
+
+    report = io.StringIO()
+    for arm in arms:
+        run = runs[arm]
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.runcall(run)
+        report.write(f"\n### arm {arm}: {time.perf_counter() - start:.2f} s under cProfile\n")
+        stats = pstats.Stats(profiler, stream=report)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(35)
+    path.write_text(report.getvalue())
+    print(f"profile written to {path}")
+
+
 def concurrency_levels(text: str) -> list[int]:
     levels = [int(level) for level in text.split(",")]
     if any(level < 1 for level in levels):
@@ -192,6 +214,9 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--memory", action="store_true",
                         help="instead: peak memory while saving every layer, run after run")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="instead of timing: run each arm once under cProfile after the "
+                             "warm-up and write where its time went to PATH")
     parser.add_argument("--requests-memory", type=int, default=64)
     parser.add_argument("--skip-memory", action="store_true",
                         help="do not append the memory measurement (a separate process)")
@@ -259,6 +284,10 @@ def main() -> None:
         for arm in arms:
             if arm != "hf":
                 runner_for(arm, warm, width)()
+        if arguments.profile:
+            profile_arms(arms, {arm: runner_for(arm, fresh_prompts(count), width)
+                                for arm in arms}, Path(arguments.profile))
+            return
         ratios: dict[str, list[float]] = {arm: [] for arm in arms}
         seconds: dict[str, list[float]] = {arm: [] for arm in arms}
         bare_seconds: list[float] = []
