@@ -34,10 +34,12 @@ def test_collected_rows_own_their_memory_and_filters_apply() -> None:
         assert saved["a"].untyped_storage().nbytes() == saved["a"].numel() * 4
 
 
-@pytest.mark.parametrize("batch_bytes", [1, 2**30])
-def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, batch_bytes) -> None:
+# 64 bytes: every tensor is over the staging buffer and crosses alone; 256: batches of a few
+# tensors of mixed dtypes; 2**20: all in one batch.
+@pytest.mark.parametrize("staging_bytes", [64, 256, 2**20])
+def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes) -> None:
     monkeypatch.setattr(store_module, "_on_a_device", lambda rows: True)
-    monkeypatch.setattr(store_module, "HOST_BATCH_BYTES", batch_bytes)
+    monkeypatch.setattr(store_module, "STAGING_BYTES", staging_bytes)
     values = {"a": torch.randn(1, 5, 8), "b": torch.randn(8, 5).t().unsqueeze(0),  # strided
               "c": torch.randint(0, 9, (1, 5, 3)), "d": torch.randn(1, 5, 2).bfloat16()}
     store = SaveStore()
