@@ -7,6 +7,9 @@
 #   benchmarks/gpu/check.sh trap_check   V2 refused by name; (a) the in-place trap, bf16 and fp32
 #   benchmarks/gpu/check.sh suites envoys|runner   (b) the equivalence suites of [C] / [D]
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
+#   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
+# Run benchmarks one at a time: beside a second one on the other GPU the bare engine was 1.6x
+# slower (host work of two processes), and arms whose cost is host work more so.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
