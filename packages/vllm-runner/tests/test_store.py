@@ -34,7 +34,7 @@ def test_collected_rows_own_their_memory_and_filters_apply() -> None:
         assert saved["a"].untyped_storage().nbytes() == saved["a"].numel() * 4
 
 
-# 64 bytes: every tensor is over the staging buffer and crosses alone; 256: batches of a few
+# 64 bytes: tensors over the staging buffer cross alone, window by window; 256: batches of a few
 # tensors of mixed dtypes; 2**20: all in one batch.
 @pytest.mark.parametrize("staging_bytes", [64, 256, 2**20])
 def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes) -> None:

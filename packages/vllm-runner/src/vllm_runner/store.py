@@ -141,8 +141,8 @@ class _ToHost:
                     saved[location] = rows.clone()
                 continue
             size = _aligned(rows.numel() * rows.element_size())
-            if size > STAGING_BYTES:  # rare (one save of over 64 MiB): a copy of its own
-                saved[location] = rows.to("cpu", copy=True)
+            if size > STAGING_BYTES:  # one save of over 64 MiB (long prompts): window by window
+                saved[location] = _copy_through(rows, self._staging())
                 continue
             if self._size + size > STAGING_BYTES:
                 self.flush()
@@ -169,6 +169,19 @@ def staging_buffer() -> torch.Tensor:
     """The host buffer device saves cross through: pinned where CUDA is, so the copy is one
     direct transfer (plain memory otherwise; host tensors never use it)."""
     return torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+def _copy_through(rows: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
+    """`rows` on the host, copied through `staging` one window of its size at a time."""
+    host = torch.empty(rows.shape, dtype=rows.dtype)
+    flat, landed = rows.reshape(-1), host.view(-1)
+    usable = staging.numel() // rows.element_size() * rows.element_size()
+    window = staging[:usable].view(rows.dtype)
+    for start in range(0, flat.numel(), window.numel()):
+        count = min(window.numel(), flat.numel() - start)
+        window[:count].copy_(flat[start:start + count])  # waits for the device
+        landed[start:start + count].copy_(window[:count])
+    return host
 
 
 def _copy_batch(batch: list[tuple[dict[str, torch.Tensor], str, torch.Tensor]],
