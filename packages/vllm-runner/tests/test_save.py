@@ -184,3 +184,36 @@ def test_a_save_read_together_owns_its_memory(llm) -> None:
         for location, value in output.saved.items():
             own = value.numel() * value.element_size()
             assert value.untyped_storage().nbytes() == own, location
+
+
+def test_saves_moved_to_the_host_between_steps_still_equal_transformers(
+        llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the device limit saves move to the host at the start of the next step
+    (`SaveStore.spill`), joined per request; what is collected must not change. Run here with
+    every tensor treated as a GPU's and a limit of 0, so every step moves what the last saved,
+    over chunked prefill and decoding."""
+    from vllm_runner import host_copies
+    from vllm_runner.store import SaveStore
+
+    moved: list[int] = []
+    original = SaveStore.spill
+
+    def spill_everything(self, limit):
+        if self.device_bytes:
+            moved.append(self.device_bytes)
+        original(self, 0)
+
+    monkeypatch.setattr(host_copies, "on_a_device", lambda value: True)
+    monkeypatch.setattr(SaveStore, "spill", spill_everything)
+    program = [ops.Save("layers.*.layer_output"), ops.Save("layers.0.attention_probabilities")]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                           SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                           interventions=program, use_tqdm=False)
+    assert len(moved) >= GENERATED, "saves were not moved between steps"
+    for index, output in enumerate(outputs):
+        assert output.error is None, output.error
+        generated = list(output.outputs[0].token_ids)
+        expected = transformers_values(reference, PROMPTS[index] + generated[:-1])
+        for layer in range(3):
+            location = f"layers.{layer}.layer_output"
+            close(output.saved[location], expected[location], f"request {index} {location}")

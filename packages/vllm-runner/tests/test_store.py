@@ -1,12 +1,14 @@
 """The save store on its own: chunks put in position order with the last write winning, trimmed
 and filtered; collected tensors own their memory; saves on a device cross to the host in batches
-that give every tensor back unchanged (run here on the host, treating its tensors as a device's)."""
+that give every tensor back unchanged, and past a limit move there between steps without changing
+what is collected (run here on the host, treating its tensors as a device's)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from vllm_runner import store as store_module
+from vllm_runner import host_copies
+from vllm_runner.settings import device_saves_limit
 from vllm_runner.store import SaveStore
 
 
@@ -38,8 +40,8 @@ def test_collected_rows_own_their_memory_and_filters_apply() -> None:
 # tensors of mixed dtypes; 2**20: all in one batch.
 @pytest.mark.parametrize("staging_bytes", [64, 256, 2**20])
 def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes) -> None:
-    monkeypatch.setattr(store_module, "_on_a_device", lambda rows: True)
-    monkeypatch.setattr(store_module, "STAGING_BYTES", staging_bytes)
+    monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
+    monkeypatch.setattr(host_copies, "STAGING_BYTES", staging_bytes)
     values = {"a": torch.randn(1, 5, 8), "b": torch.randn(8, 5).t().unsqueeze(0),  # strided
               "c": torch.randint(0, 9, (1, 5, 3)), "d": torch.randn(1, 5, 2).bfloat16()}
     store = SaveStore()
@@ -54,3 +56,73 @@ def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes
             assert saved[location].untyped_storage().data_ptr() != value.data_ptr()
             own = saved[location].numel() * saved[location].element_size()
             assert saved[location].untyped_storage().nbytes() == own
+
+
+def _fill(store: SaveStore, rows: torch.Tensor, pattern: torch.Tensor, later: bool) -> None:
+    """Saves of two requests as steps make them: chunked prefill, a pattern saved whole at
+    every step, and (`later`) decode rows and a recomputation from position 0 (preemption)."""
+    if not later:
+        store.save("x", "a", 0, rows[:, :3], 1)
+        store.save("x", "a", 3, rows[:, 3:5], 1)
+        store.save_rows("a", 1, [("y", 0)], [rows[:, :2] * 10])
+        store.save("x", "p", 0, pattern, None)
+        return
+    store.save("x", "a", 5, rows[:, 5:7], 1)
+    store.save("x", "a", 0, -rows[:, :2], 1)  # recomputed after a preemption: these win
+    store.save_rows("a", 1, [("y", 2)], [rows[:, 2:3] * 10])
+    store.save("x", "p", 0, 2 * pattern, None)
+
+
+def test_spilled_saves_are_collected_unchanged(monkeypatch) -> None:
+    rows, pattern = torch.randn(1, 8, 4), torch.randn(2, 3, 3)
+    # "On the device": the memory of the values made here and of what is computed from them in
+    # `_fill`; whatever the store's moves make is "on the host".
+    made_here = {rows.untyped_storage().data_ptr(), pattern.untyped_storage().data_ptr()}
+    original_save, original_save_rows = SaveStore.save, SaveStore.save_rows
+
+    def save(self, key, location, first, value, axis):
+        made_here.add(value.untyped_storage().data_ptr())
+        original_save(self, key, location, first, value, axis)
+
+    def save_rows(self, location, axis, owners, values):
+        made_here.update(value.untyped_storage().data_ptr() for value in values)
+        original_save_rows(self, location, axis, owners, values)
+
+    monkeypatch.setattr(SaveStore, "save", save)
+    monkeypatch.setattr(SaveStore, "save_rows", save_rows)
+    monkeypatch.setattr(host_copies, "on_a_device",
+                        lambda value: value.untyped_storage().data_ptr() in made_here)
+    monkeypatch.setattr(host_copies, "STAGING_BYTES", 64)  # a few tensors per batch
+    store = SaveStore()
+    _fill(store, rows, pattern, later=False)
+    first = 4 * (4 * (5 + 2) + 18)  # float32: x's and y's rows, the latest pattern only
+    assert store.device_bytes == first
+    store.spill(first)  # at the limit: nothing moves
+    assert store.device_bytes == first
+    before = rows.clone()
+    store.spill(first - 1)
+    assert store.device_bytes == 0
+    rows.mul_(-3)  # a spill copies: what was saved before it no longer shares this memory
+    _fill(store, rows, pattern, later=True)
+    assert store.device_bytes == 4 * (4 * (2 + 2 + 1) + 18)
+    found = store.collect([("x", 7, {"a": None, "p": None}), ("y", 3, {"a": None})])
+    assert torch.equal(found["x"]["a"], torch.cat([-rows[:, :2], before[:, 2:5], rows[:, 5:7]],
+                                                  dim=1))
+    assert torch.equal(found["x"]["p"], 2 * pattern)
+    assert torch.equal(found["y"]["a"], torch.cat([before[:, :2], rows[:, 2:3]], dim=1) * 10)
+    assert store.device_bytes == 0 and len(store) == 0
+
+
+@pytest.mark.parametrize("given", ["-1", "1.5", "lots", 1.5, True])
+def test_a_bad_device_saves_limit_is_refused_by_name(given) -> None:
+    with pytest.raises(ValueError, match="VLLM_INTERP_DEVICE_SAVES_MIB"):
+        device_saves_limit(given)
+
+
+def test_the_device_saves_limit_is_in_mib(monkeypatch) -> None:
+    assert device_saves_limit(0) == 0
+    assert device_saves_limit("3") == 3 * 2**20
+    monkeypatch.setenv("VLLM_INTERP_DEVICE_SAVES_MIB", "5")
+    assert device_saves_limit() == 5 * 2**20
+    monkeypatch.delenv("VLLM_INTERP_DEVICE_SAVES_MIB")
+    assert device_saves_limit() == 1024 * 2**20

@@ -28,7 +28,12 @@ from vllm_runner.program import (
     new_key,
     program_digest,
 )
-from vllm_runner.settings import READS_VARIABLE, read_mode
+from vllm_runner.settings import (
+    DEVICE_SAVES_VARIABLE,
+    READS_VARIABLE,
+    device_saves_limit,
+    read_mode,
+)
 from vllm_runner.store import from_bytes
 from vllm_runner.trace import Trace
 
@@ -58,7 +63,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, interp_reads: ReadMode | None = None,
-                 **engine: Any) -> None:
+                 interp_device_saves_mib: int | None = None, **engine: Any) -> None:
         """Start vLLM's engine on `model` with every engine argument in `engine`.
 
         Without `model`, the embedded SmolLM2-135M-Instruct is used (converted once into the
@@ -68,12 +73,22 @@ class LLM:
         "view"; see `ops.Call`); by default `VLLM_INTERP_READS`, else "lease". It is set in
         this process's environment before the engine starts so that every worker process
         inherits it (vLLM's workers read nothing the client sets later).
+
+        `interp_device_saves_mib` is how many MiB of saves a worker keeps on its GPU before
+        moving them to the host between steps (by default `VLLM_INTERP_DEVICE_SAVES_MIB`, else
+        1024; 0 moves them every step): that memory is outside vLLM's
+        `gpu_memory_utilization`. Set like `interp_reads`.
         """
         check_version(vllm.__version__)
         select_v1_runner()
         if interp_reads is not None:
             os.environ[READS_VARIABLE] = read_mode(interp_reads)
-        read_mode()  # a bad VLLM_INTERP_READS is refused here, not in a worker's traceback
+        if interp_device_saves_mib is not None:
+            device_saves_limit(interp_device_saves_mib)
+            os.environ[DEVICE_SAVES_VARIABLE] = str(interp_device_saves_mib)
+        # Bad settings are refused here, not in a worker's traceback.
+        read_mode()
+        device_saves_limit()
         if engine.get("enforce_eager") is False:
             raise ValueError("vllm-runner needs enforce_eager=True: forward hooks do not fire "
                              "inside compiled graphs or CUDA-graph replays")

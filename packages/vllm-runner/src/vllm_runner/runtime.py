@@ -23,7 +23,7 @@ from vllm_runner.edits import edit, only_kept_rows, position_filter, same_on_eve
 from vllm_runner.groups import cuts, pieces, reading_plan, runs
 from vllm_runner.locations import resolve
 from vllm_runner.program import program_of
-from vllm_runner.settings import read_mode
+from vllm_runner.settings import DEFAULT_DEVICE_SAVES_MIB, read_mode
 from vllm_runner.sharded import ShardedValues
 from vllm_runner.store import SaveStore
 
@@ -92,8 +92,10 @@ class Runtime:
     """Hooks only what this step's programs name, and runs their ops on their own rows."""
 
     def __init__(self, model: nn.Module, hf_config: Any, fragments: Fragments | None = None,
-                 rank: int = 0, reads: ReadMode = "lease") -> None:
+                 rank: int = 0, reads: ReadMode = "lease",
+                 device_saves_limit: int = DEFAULT_DEVICE_SAVES_MIB * 2**20) -> None:
         self.reads = read_mode(reads)
+        self.device_saves_limit = device_saves_limit
         self.standard = standardize(model, hf_config)
         # Under tensor parallelism every rank runs every op (edits must reach every piece), but
         # only rank 0 keeps saves: the client collects from rank 0.
@@ -129,6 +131,7 @@ class Runtime:
 
     def begin_step(self, runner: Any, positions: torch.Tensor) -> None:
         """Read the step's layout from the runner and hook what its programs want."""
+        self.store.spill(self.device_saves_limit)  # the last step's saves are all made
         batch = runner.input_batch
         count = batch.num_reqs
         programs = []

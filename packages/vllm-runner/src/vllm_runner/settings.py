@@ -22,3 +22,27 @@ def read_mode(value: str | None = None) -> ReadMode:
         raise ValueError(f"read mode {mode!r} (LLM(interp_reads=) or {READS_VARIABLE}) must be "
                          f"one of {', '.join(READ_MODES)}")
     return mode
+
+
+#: How many MiB of saves a worker keeps on its GPU before moving them to the host.
+DEVICE_SAVES_VARIABLE = "VLLM_INTERP_DEVICE_SAVES_MIB"
+DEFAULT_DEVICE_SAVES_MIB = 1024
+
+
+def device_saves_limit(value: int | str | None = None) -> int:
+    """`value` MiB, or the `VLLM_INTERP_DEVICE_SAVES_MIB` setting, or 1024 MiB, in bytes.
+
+    Saves stay on the GPU while a request runs (a copy to the host at every save would stall
+    the GPU), in memory outside vLLM's `gpu_memory_utilization` budget; past this limit they
+    are moved to the host at the start of the next step, so saving every layer over long
+    generations cannot exhaust the GPU. 0 moves them at every step."""
+    given = value if value is not None else os.environ.get(DEVICE_SAVES_VARIABLE,
+                                                           DEFAULT_DEVICE_SAVES_MIB)
+    try:
+        mib = int(given)
+    except (TypeError, ValueError):
+        mib = -1
+    if mib < 0 or isinstance(given, float | bool):
+        raise ValueError(f"device saves limit {given!r} (LLM(interp_device_saves_mib=) or "
+                         f"{DEVICE_SAVES_VARIABLE}) must be a whole number of MiB, 0 or more")
+    return mib * 2**20

@@ -16,25 +16,34 @@ from typing import Any
 
 import torch
 
+from vllm_runner import host_copies
+
 # Values without a token axis (the attention pattern) are stored whole under this position.
 WHOLE = -1
 
 
 class SaveStore:
-    """Rows saved per request, as the chunks each step saved; freed when collected or dropped."""
+    """Rows saved per request, as the chunks each step saved; freed when collected or dropped.
+
+    On a GPU, saves stay there while their request runs: queueing a copy into pinned host
+    memory at every save measured 4x slower on the H200 (pinned allocations), and a copy that
+    waits would stall the GPU at every hooked layer. Past a limit they are moved to the host
+    together (`spill`), and the rest at collection, in batched copies (`host_copies`)."""
 
     def __init__(self) -> None:
-        # key -> location -> [(first absolute position, rows along the token axis)]
-        self._chunks: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = defaultdict(
+        # key -> location -> [[first absolute position, rows along the token axis]]
+        self._chunks: dict[str, dict[str, list[list[Any]]]] = defaultdict(
             lambda: defaultdict(list))
         self._axes: dict[tuple[str, str], int | None] = {}
         self._errors: dict[str, str] = {}
-        self._staging: torch.Tensor | None = None  # made at the first collection from a device
+        self._device_bytes: dict[str, int] = defaultdict(int)  # per key, saves on a device
+        self._spilled: set[str] = set()  # keys with chunks moved to the host by `spill`
+        self._staging: torch.Tensor | None = None  # made at the first move from a device
 
-    def _staging_buffer(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = staging_buffer()
-        return self._staging
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of saves held on a device (a GPU) now: what `spill` compares to its limit."""
+        return sum(self._device_bytes.values())
 
     def fail(self, key: str, message: str) -> None:
         """Record why `key`'s program failed (the first failure is kept)."""
@@ -48,24 +57,60 @@ class SaveStore:
              token_axis: int | None) -> None:
         """Keep `value` for `key`: rows from `first_position` on along `token_axis`, or the
         whole value (no token axis: the attention pattern). It must not change afterwards (a
-        private copy, or a slice of one). On a GPU it stays there until collected: queueing
-        a copy into pinned host memory at every save measured 4x slower on the H200 (pinned
-        allocations), and a copy that waits would stall the GPU at every hooked layer."""
+        private copy, or a slice of one)."""
         self._axes[(key, location)] = token_axis
         chunks = self._chunks[key][location]
+        if host_copies.on_a_device(value):
+            self._device_bytes[key] += value.numel() * value.element_size()
         if token_axis is None:
-            chunks[:] = [(WHOLE, value)]
+            for _, replaced in chunks:
+                if host_copies.on_a_device(replaced):
+                    self._device_bytes[key] -= replaced.numel() * replaced.element_size()
+            chunks[:] = [[WHOLE, value]]
             return
-        chunks.append((first_position, value))
+        chunks.append([first_position, value])
 
     def save_rows(self, location: str, token_axis: int,
                   owners: list[tuple[str, int]], values: list[torch.Tensor]) -> None:
         """`save` for many requests at one location: `values[i]` are the rows of
-        `owners[i] = (key, first position)` (one loop, for requests served together)."""
+        `owners[i] = (key, first position)` (one loop, for requests served together; the
+        values come from one read, so all are on one device)."""
         chunks, axes = self._chunks, self._axes
         for (key, first_position), value in zip(owners, values, strict=True):
             axes[(key, location)] = token_axis
-            chunks[key][location].append((first_position, value))
+            chunks[key][location].append([first_position, value])
+        if values and host_copies.on_a_device(values[0]):
+            size = values[0].element_size()
+            for (key, _), value in zip(owners, values, strict=True):
+                self._device_bytes[key] += value.numel() * size
+
+    def spill(self, limit: int) -> None:
+        """Move every save held on a device to the host if together they exceed `limit` bytes
+        (`settings.device_saves_limit`): a request's adjacent chunks are joined first, so this
+        is a few batched copies however many steps saved. Called between steps."""
+        if not self._device_bytes or self.device_bytes <= limit:
+            return
+        mover = host_copies.ToHost(self._staging_buffer)
+        for key in list(self._device_bytes):
+            self._to_host(key, mover)
+        mover.flush()
+
+    def _to_host(self, key: str, mover: host_copies.ToHost) -> None:
+        """Queue `key`'s device chunks on `mover`, joined where positions follow on."""
+        for location, chunks in self._chunks.get(key, {}).items():
+            axis = self._axes.get((key, location))
+            if axis is not None:
+                chunks[:] = _joined(chunks, axis)
+            for chunk in chunks:
+                if host_copies.on_a_device(chunk[1]):
+                    mover.add(chunk, 1)
+        self._device_bytes.pop(key, None)
+        self._spilled.add(key)
+
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = host_copies.staging_buffer()
+        return self._staging
 
     def collect(self, requests: list[tuple[str, int, dict[str, Callable[[int], bool] | None]]]
                 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -77,17 +122,24 @@ class SaveStore:
         tokens but the last); rows beyond it came from steps the scheduler ran ahead.
         `wanted[location]` keeps a position or not (`None`: every position).
         """
+        mover = host_copies.ToHost(self._staging_buffer)
+        # A request with chunks on the host already (spilled) and on a device: all to the host
+        # before joining (one tensor cannot join chunks of two devices).
+        for key in [key for key, _, _ in requests if key in self._spilled]:
+            if self._device_bytes.get(key):
+                self._to_host(key, mover)
+        mover.flush()
         found: dict[str, dict[str, torch.Tensor]] = {}
-        mover = _ToHost(self._staging_buffer)
         for key, computed, wanted in requests:
             found[key] = self._rows(key, computed, wanted)
-            mover.add(found[key])  # request by request: at most a batch is joined at a time
+            mover.add_all(found[key])  # request by request: at most a batch is joined at a time
         mover.flush()
         return found
 
     def _rows(self, key: str, computed: int,
               wanted: dict[str, Callable[[int], bool] | None]) -> dict[str, torch.Tensor]:
         """`key`'s saves in position order, where they were saved (host or GPU)."""
+        self._forget(key)
         result: dict[str, torch.Tensor] = {}
         for location, chunks in self._chunks.pop(key, {}).items():
             axis = self._axes.pop((key, location), None)
@@ -99,10 +151,15 @@ class SaveStore:
                 result[location] = rows
         return result
 
+    def _forget(self, key: str) -> None:
+        self._device_bytes.pop(key, None)
+        self._spilled.discard(key)
+
     def drop(self, keys: list[str]) -> None:
         """Free what `keys` saved (aborted or abandoned requests)."""
         for key in keys:
             self._errors.pop(key, None)
+            self._forget(key)
             for location in self._chunks.pop(key, {}):
                 self._axes.pop((key, location), None)
 
@@ -110,101 +167,21 @@ class SaveStore:
         return len(self._chunks)
 
 
-# Saves on a GPU cross to the host through one pinned buffer of this many bytes, allocated once
-# per worker and reused: a copy into fresh pageable memory ran at ~1.4 GB/s on the H200 (page
-# faults; 2.3 s of a 5.4 s run saving every layer's MLP neurons), a pinned allocation per copy
-# was slower still, and the extra device memory of a batch stays bounded.
-STAGING_BYTES = 64 * 2**20
-_ALIGN = 64  # bytes: every tensor starts at an offset any dtype can be viewed at
+def _joined(chunks: list[list[Any]], axis: int) -> list[list[Any]]:
+    """`chunks` with each run of chunks whose positions follow on (and on one device) joined
+    into one, in the same order (so a later chunk still wins over an earlier one)."""
+    runs: list[list[Any]] = []  # [first, end, [rows]]
+    for first, rows in chunks:
+        if runs and runs[-1][1] == first and runs[-1][2][0].device == rows.device:
+            runs[-1][1] += rows.shape[axis]
+            runs[-1][2].append(rows)
+        else:
+            runs.append([first, first + rows.shape[axis], [rows]])
+    return [[first, parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)]
+            for first, _, parts in runs]
 
 
-class _ToHost:
-    """Replaces tensors of saved dicts by host tensors of their own memory.
-
-    On a GPU a copy per tensor waits for the device each time (with every layer saved for 64
-    requests that was 13% of a run on the H200), so device tensors are joined per dtype, copied
-    into the staging buffer in batches of up to `STAGING_BYTES` and cloned from there into
-    tensors of their own. On the host only slices are cloned: a slice of a step read shared by
-    several requests (`Runtime._serve_together`) would otherwise keep every request's rows
-    alive."""
-
-    def __init__(self, staging: Callable[[], torch.Tensor]) -> None:
-        self._staging = staging
-        self._batch: list[tuple[dict[str, torch.Tensor], str, torch.Tensor]] = []
-        self._size = 0
-
-    def add(self, saved: dict[str, torch.Tensor]) -> None:
-        """Move `saved`'s tensors (in place): host ones now, device ones with their batch."""
-        for location, rows in saved.items():
-            if not _on_a_device(rows):
-                if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
-                    saved[location] = rows.clone()
-                continue
-            size = _aligned(rows.numel() * rows.element_size())
-            if size > STAGING_BYTES:  # one save of over 64 MiB (long prompts): window by window
-                saved[location] = _copy_through(rows, self._staging())
-                continue
-            if self._size + size > STAGING_BYTES:
-                self.flush()
-            self._batch.append((saved, location, rows))
-            self._size += size
-
-    def flush(self) -> None:
-        """Copy the waiting device tensors now."""
-        if self._batch:
-            _copy_batch(self._batch, self._staging())
-        self._batch, self._size = [], 0
-
-
-def _on_a_device(rows: torch.Tensor) -> bool:
-    """Whether `rows` are off the host (a GPU's memory)."""
-    return rows.device.type != "cpu"
-
-
-def _aligned(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
-
-
-def staging_buffer() -> torch.Tensor:
-    """The host buffer device saves cross through: pinned where CUDA is, so the copy is one
-    direct transfer (plain memory otherwise; host tensors never use it)."""
-    return torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-
-
-def _copy_through(rows: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
-    """`rows` on the host, copied through `staging` one window of its size at a time."""
-    host = torch.empty(rows.shape, dtype=rows.dtype)
-    flat, landed = rows.reshape(-1), host.view(-1)
-    usable = staging.numel() // rows.element_size() * rows.element_size()
-    window = staging[:usable].view(rows.dtype)
-    for start in range(0, flat.numel(), window.numel()):
-        count = min(window.numel(), flat.numel() - start)
-        window[:count].copy_(flat[start:start + count])  # waits for the device
-        landed[start:start + count].copy_(window[:count])
-    return host
-
-
-def _copy_batch(batch: list[tuple[dict[str, torch.Tensor], str, torch.Tensor]],
-                staging: torch.Tensor) -> None:
-    """One device-to-host copy per dtype for `batch` (at most `STAGING_BYTES` together, each
-    tensor's bytes aligned); each entry gets its own host tensor."""
-    by_dtype: dict[torch.dtype, list[tuple[dict[str, torch.Tensor], str, torch.Tensor]]] = (
-        defaultdict(list))
-    for entry in batch:
-        by_dtype[entry[2].dtype].append(entry)
-    at = 0
-    for dtype, entries in by_dtype.items():
-        flat = torch.cat([rows.reshape(-1) for _, _, rows in entries])
-        size = flat.numel() * flat.element_size()
-        landed = staging[at:at + size].view(dtype)
-        landed.copy_(flat)  # waits for the device: the host reads it next
-        pieces = landed.split([rows.numel() for _, _, rows in entries])
-        for (saved, location, rows), piece in zip(entries, pieces, strict=True):
-            saved[location] = piece.view(rows.shape).clone()
-        at += _aligned(size)
-
-
-def _in_position_order(chunks: list[tuple[int, torch.Tensor]], axis: int, computed: int,
+def _in_position_order(chunks: list[list[Any]], axis: int, computed: int,
                        keep: Callable[[int], bool] | None) -> torch.Tensor | None:
     """The chunks' rows by absolute position, a later chunk's row winning (preemption
     recomputes from position 0; a repeated step rewrites its rows); `None` if no row is kept."""

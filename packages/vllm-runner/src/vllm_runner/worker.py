@@ -22,7 +22,7 @@ from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 from vllm_runner.compat import check_runner
 from vllm_runner.errors import LocationError
 from vllm_runner.runtime import Runtime
-from vllm_runner.settings import read_mode
+from vllm_runner.settings import device_saves_limit, read_mode
 from vllm_runner.store import to_bytes
 
 
@@ -34,9 +34,9 @@ class RunnerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)
         fragments, rank = _tensor_parallel(self.get_model())
-        # Read at load, in the worker's own process: see `vllm_runner.llm.LLM(interp_reads=)`.
+        # Read at load, in the worker's own process: see `vllm_runner.llm.LLM`'s settings.
         self.interp = Runtime(self.get_model(), self.model_config.hf_config, fragments, rank,
-                              reads=read_mode())
+                              reads=read_mode(), device_saves_limit=device_saves_limit())
         return result
 
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
