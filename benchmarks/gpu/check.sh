@@ -4,7 +4,8 @@
 # docs/gpu.md for the calls). Writes everything it measures under $OUT (or ./gpu-out).
 #
 #   benchmarks/gpu/check.sh install      unpack and install vLLM 0.26 under /tmp/site
-#   benchmarks/gpu/check.sh trap_check   V2 refused by name; (a) the in-place trap, bf16 and fp32
+#   benchmarks/gpu/check.sh trap_check   V2 refused by name; (a) the in-place trap, bf16 and fp32,
+#                                         and bf16 with saves moved to the host at every step
 #   benchmarks/gpu/check.sh suites envoys|runner   (b) the equivalence suites of [C] / [D]
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
@@ -35,10 +36,14 @@ except UnsupportedEngine as refused:
     print('V2 refused:', refused)
 else:
     raise SystemExit('V2 was not refused')" 2>&1 | tail -2 | tee "$out/v2-refused.txt" || status=1
-  for dtype in bfloat16 float32; do
-    $python benchmarks/gpu/inplace_check.py --dtype "$dtype" --out "$out/inplace-$dtype.md" \
-      > "$out/inplace-$dtype.log" 2>&1 || status=1
-    grep -v WARNING "$out/inplace-$dtype.log" | tail -25
+  # bf16 and fp32, then bf16 with every step's saves moved to the host (the spill path).
+  for run in bfloat16 float32 bfloat16-spill; do
+    local limit=1024
+    [ "$run" = bfloat16-spill ] && limit=0
+    VLLM_INTERP_DEVICE_SAVES_MIB=$limit $python benchmarks/gpu/inplace_check.py \
+      --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "$out/inplace-$run.log" 2>&1 ||
+      status=1
+    grep -v WARNING "$out/inplace-$run.log" | tail -25
   done
   return $status
 }

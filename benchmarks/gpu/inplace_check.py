@@ -10,7 +10,12 @@ taken at the moment it was handed over. It asserts:
 2. every saved value equals the clones taken at read time, row by row;
 3. as a control, in `view` mode (the engine's own rows, documented as "may be overwritten"),
    it counts how many kept values no longer equal their clones — on GPU this is where the trap
-   shows; on CPU it may be zero.
+   shows; on CPU it may be zero;
+4. (1) and (2) again with one program shared by every request, so saves take the path that
+   reads a value once for all of them (`Runtime._serve_together`).
+
+With `VLLM_INTERP_DEVICE_SAVES_MIB=0` every step's saves move to the host before the next step
+(`SaveStore.spill`), so (2) and (4) check that path too.
 
 Usage: python benchmarks/gpu/inplace_check.py --dtype bfloat16 [--shape smollm2-135m] [--out F]
 Exit status 1 if (1) or (2) fails anywhere.
@@ -51,6 +56,15 @@ def keep(mode: str, request: int, value: torch.Tensor, ctx) -> None:
         (value, value.detach().clone(), ctx.positions.tolist()))
 
 
+# Prompt length -> request index, for `keep_shared` (all requests then run one program).
+REQUEST_OF_LENGTH: dict[int, int] = {}
+
+
+def keep_shared(value: torch.Tensor, ctx) -> None:
+    """`keep` for a program every request shares: the request is known by its prompt length."""
+    keep("shared", REQUEST_OF_LENGTH[ctx.prompt_length], value, ctx)
+
+
 def token_axis(location: str) -> int:
     return 2 if location.rsplit(".", 1)[-1] in HEAD_MAJOR else 1
 
@@ -88,17 +102,21 @@ def main() -> int:
               max_num_batched_tokens=64, max_num_seqs=arguments.requests,
               gpu_memory_utilization=0.3, max_model_len=512)
     generator = torch.Generator().manual_seed(0)
+    # Lengths differ, so a shared program's `Call` can tell the requests apart.
+    lengths = (torch.randperm(80, generator=generator)[:arguments.requests] + 20).tolist()
+    REQUEST_OF_LENGTH.update((length, r) for r, length in enumerate(lengths))
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(
-        0, llm.vocab_size, (int(length),), generator=generator).tolist())
-        for length in torch.randint(20, 100, (arguments.requests,), generator=generator)]
+        0, llm.vocab_size, (length,), generator=generator).tolist()) for length in lengths]
     params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
 
     results = {}
-    for mode in ("lease", "view"):
-        programs = [[*(ops.Save(p) for p in PATTERNS),
-                     *(ops.Call(p, functools.partial(keep, mode, r), reads=mode)
-                       for p in PATTERNS)]
-                    for r in range(len(prompts))]
+    shared = [*(ops.Save(p) for p in PATTERNS),
+              *(ops.Call(p, keep_shared, reads="lease") for p in PATTERNS)]
+    for mode in ("lease", "view", "shared"):
+        programs = [shared] * len(prompts) if mode == "shared" else [
+            [*(ops.Save(p) for p in PATTERNS),
+             *(ops.Call(p, functools.partial(keep, mode, r), reads=mode) for p in PATTERNS)]
+            for r in range(len(prompts))]
         outputs = llm.generate(prompts, params, interventions=programs, use_tqdm=False)
         errors = [o.error for o in outputs if o.error]
         if errors:
@@ -108,9 +126,8 @@ def main() -> int:
     print(report)
     if arguments.out:
         Path(arguments.out).write_text(report)
-    lease = results["lease"]
     return 0 if all(c["kept_equal"] == c["kept"] and c["saved_equal"] == c["saved"]
-                    for c in lease.values()) else 1
+                    for mode in ("lease", "shared") for c in results[mode].values()) else 1
 
 
 def compare(mode: str, outputs: list) -> dict[str, dict[str, int]]:
@@ -139,20 +156,27 @@ def compare(mode: str, outputs: list) -> dict[str, dict[str, int]]:
 
 def render(results: dict, arguments, vllm_version: str, device: str) -> str:
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    limit = os.environ.get("VLLM_INTERP_DEVICE_SAVES_MIB")
+    spill = f"; saves moved to the host past {limit} MiB (`VLLM_INTERP_DEVICE_SAVES_MIB`)" \
+        if limit is not None else ""
     lines = [f"### {arguments.dtype}, random {arguments.shape}, {where}, vLLM {vllm_version}",
              "",
              f"{arguments.requests} concurrent requests (20-99 prompt tokens, 64-token step "
              f"budget, {arguments.max_tokens} generated), every value of every layer saved and "
              "kept by a `Call`; counts are (request, location) pairs equal to their clone "
-             "taken at read time.",
+             f"taken at read time{spill}. Shared: one program for every request (saves read "
+             "once for all).",
              "",
              "| value | pairs | lease: kept = clone | saved = clone "
-             "| view (control): kept = clone |",
-             "|---|---|---|---|---|"]
+             "| shared: kept = clone | shared: saved = clone | view (control): kept = clone |",
+             "|---|---|---|---|---|---|---|"]
     for name in sorted(results["lease"]):
         lease, view = results["lease"][name], results["view"].get(name, {})
+        shared = results["shared"].get(name, {})
         lines.append(f"| `{name}` | {lease['kept']} | {lease['kept_equal']}/{lease['kept']} | "
                      f"{lease['saved_equal']}/{lease['saved']} | "
+                     f"{shared.get('kept_equal', 0)}/{shared.get('kept', 0)} | "
+                     f"{shared.get('saved_equal', 0)}/{shared.get('saved', 0)} | "
                      f"{view.get('kept_equal', 0)}/{view.get('kept', 0)} |")
     return "\n".join(lines) + "\n"
 
