@@ -126,3 +126,14 @@ def test_the_device_saves_limit_is_in_mib(monkeypatch) -> None:
     assert device_saves_limit() == 5 * 2**20
     monkeypatch.delenv("VLLM_INTERP_DEVICE_SAVES_MIB")
     assert device_saves_limit() == 1024 * 2**20
+
+
+def test_llm_refuses_a_bad_device_saves_limit_before_starting_the_engine(monkeypatch) -> None:
+    from vllm_runner import LLM
+
+    monkeypatch.delenv("VLLM_INTERP_DEVICE_SAVES_MIB", raising=False)
+    with pytest.raises(ValueError, match="interp_device_saves_mib"):
+        LLM("no-such-model", interp_device_saves_mib=-5)
+    monkeypatch.setenv("VLLM_INTERP_DEVICE_SAVES_MIB", "half")
+    with pytest.raises(ValueError, match="'half'"):
+        LLM("no-such-model")
