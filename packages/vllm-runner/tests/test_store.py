@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm_runner import host_copies
 from vllm_runner.settings import device_saves_limit
 from vllm_runner.store import SaveStore
@@ -137,3 +139,42 @@ def test_llm_refuses_a_bad_device_saves_limit_before_starting_the_engine(monkeyp
     monkeypatch.setenv("VLLM_INTERP_DEVICE_SAVES_MIB", "half")
     with pytest.raises(ValueError, match="'half'"):
         LLM("no-such-model")
+
+
+@st.composite
+def histories(draw):
+    """One request's saves as steps make them: chunks of 1-5 rows that mostly follow on, with
+    recomputations from an earlier position (preemption), and a spill after some of them."""
+    chunks, position = [], 0
+    for _ in range(draw(st.integers(1, 12))):
+        if position and draw(st.integers(0, 4)) == 0:
+            position = draw(st.integers(0, position))  # recomputed from here
+        size = draw(st.integers(1, 5))
+        chunks.append((position, size, draw(st.booleans())))  # (first, rows, spill after)
+        position += size
+    computed = draw(st.integers(1, position))
+    return chunks, computed
+
+
+@settings(deadline=None, max_examples=200)
+@given(histories())
+def test_spilling_at_any_point_never_changes_what_is_collected(history) -> None:
+    chunks, computed = history
+    made_here: set[int] = set()  # "on the device": the rows made below, not the store's copies
+    kept, spilled = SaveStore(), SaveStore()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_copies, "on_a_device",
+                      lambda value: value.untyped_storage().data_ptr() in made_here)
+        for step, (first, size, spill_after) in enumerate(chunks):
+            rows = torch.arange(size, dtype=torch.float32).reshape(1, size, 1) + 100 * step
+            made_here.add(rows.untyped_storage().data_ptr())
+            for store in (kept, spilled):
+                store.save("k", "a", first, rows, 1)
+            if spill_after:
+                spilled.spill(0)
+                assert spilled.device_bytes == 0
+        expected = kept.collect([("k", computed, {"a": None})])["k"]
+        found = spilled.collect([("k", computed, {"a": None})])["k"]
+    assert found.keys() == expected.keys()
+    if "a" in expected:
+        assert torch.equal(found["a"], expected["a"])
