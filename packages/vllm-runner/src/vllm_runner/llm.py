@@ -17,6 +17,7 @@ import vllm
 from tokenspan import ReadMode
 from vllm import SamplingParams
 
+from vllm_runner import wire
 from vllm_runner.compat import check_version, select_v1_runner
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op, Skip
@@ -34,7 +35,6 @@ from vllm_runner.settings import (
     device_saves_limit,
     read_mode,
 )
-from vllm_runner.store import from_bytes
 from vllm_runner.trace import Trace
 
 
@@ -269,7 +269,7 @@ class LLM:
             return
         in_process = self._in_process()
         (data, *_) = self.engine.collective_rpc("interp_collect", args=(wanted, not in_process))
-        collected = data if in_process else from_bytes(data)
+        collected = data if in_process else wire.decode(data)
         for output, key in zip(outputs, keys, strict=True):
             if key is not None:
                 result = collected.get(key, {})

@@ -9,7 +9,6 @@ copies themselves when every layer is saved.
 
 from __future__ import annotations
 
-import io
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -200,15 +199,3 @@ def _in_position_order(chunks: list[list[Any]], axis: int, computed: int,
     if not order:
         return None
     return rows.index_select(axis, torch.tensor(order, device=rows.device))
-
-
-def to_bytes(saved: dict[str, Any]) -> bytes:
-    """Saved tensors as bytes: plain data crosses vLLM's msgpack RPC without special flags."""
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    return buffer.getvalue()
-
-
-def from_bytes(data: bytes) -> dict[str, Any]:
-    """The inverse of `to_bytes` (tensors only, no pickled code)."""
-    return torch.load(io.BytesIO(data), weights_only=True)

@@ -19,11 +19,11 @@ from typing import Any
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
+from vllm_runner import wire
 from vllm_runner.compat import check_runner
 from vllm_runner.errors import LocationError
 from vllm_runner.runtime import Runtime
 from vllm_runner.settings import device_saves_limit, read_mode
-from vllm_runner.store import to_bytes
 
 
 class RunnerMixin:
@@ -82,17 +82,17 @@ class WorkerRPC:
         return {"resolved": resolved, "errors": errors}
 
     def interp_collect(self, requests: list[dict[str, Any]],
-                       as_bytes: bool = True) -> bytes | dict[str, Any]:
+                       encoded: bool = True) -> dict[str, Any]:
         """Saves and errors of finished requests (`key`, `computed`, `prompt_length`, `ops`).
 
-        As bytes for a client in another process; as the tensors themselves (`as_bytes=False`)
-        for an in-process client, which saves three copies of everything saved."""
+        As plain data (`wire.encode`) for a client in another process; as the tensors
+        themselves (`encoded=False`) for an in-process client, which saves the copies."""
         runtime = self.model_runner.interp
-        pack = to_bytes if as_bytes else dict
         saved = runtime.collect(requests)
-        return pack({request["key"]: {"saved": saved[request["key"]],
+        collected = {request["key"]: {"saved": saved[request["key"]],
                                       "error": runtime.error(request["key"])}
-                     for request in requests})
+                     for request in requests}
+        return wire.encode(collected) if encoded else collected
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
