@@ -31,7 +31,18 @@ def through_vllm(data: wire.Collected) -> wire.Collected:
     return MsgpackDecoder(EngineCoreOutputs).decode(frames).utility_output.result.result
 
 
-@pytest.mark.parametrize("transport", [through_vllm, lambda d: pickle.loads(pickle.dumps(d))])
+def through_vllm_typed(data: wire.Collected) -> wire.Collected:
+    """The same with `VLLM_ALLOW_INSECURE_SERIALIZATION`, where vLLM converts every leaf of a
+    result to the type it was sent as."""
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm.envs, "VLLM_ALLOW_INSECURE_SERIALIZATION", True, raising=False)
+        return through_vllm(data)
+
+
+@pytest.mark.parametrize("transport", [through_vllm, through_vllm_typed,
+                                       lambda d: pickle.loads(pickle.dumps(d))])
 def test_saves_cross_unchanged(transport) -> None:
     sent = collected()
     received = wire.decode(transport(wire.encode(sent)))
