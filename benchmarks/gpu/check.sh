@@ -40,10 +40,12 @@ else:
   for run in bfloat16 float32 bfloat16-spill; do
     local limit=1024
     [ "$run" = bfloat16-spill ] && limit=0
+    # Logs come back only from a failed run (a call returns at most 8 files).
+    local log=/tmp/inplace-$run.log
     VLLM_INTERP_DEVICE_SAVES_MIB=$limit $python benchmarks/gpu/inplace_check.py \
-      --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "$out/inplace-$run.log" 2>&1 ||
-      status=1
-    grep -v WARNING "$out/inplace-$run.log" | tail -25
+      --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "$log" 2>&1 ||
+      { status=1; cp "$log" "$out/"; }
+    grep -v WARNING "$log" | tail -25
   done
   return $status
 }
