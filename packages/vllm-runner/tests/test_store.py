@@ -60,41 +60,56 @@ def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes
             assert saved[location].untyped_storage().nbytes() == own
 
 
+class _OnADevice(torch.Tensor):
+    """A host tensor that says it is on a GPU, as do tensors computed from it (`torch.cat`,
+    slices); copies the store makes through its staging buffer are plain host tensors."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def on_a_device(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.as_subclass(_OnADevice)
+
+
+@pytest.fixture
+def one_device_per_cat(monkeypatch):
+    """`torch.cat` refuses tensors of two devices, as on a GPU machine (on the host, a cat of a
+    host tensor and an `_OnADevice` one would succeed)."""
+    cat = torch.cat
+
+    def checked(tensors, *args, **kwargs):
+        devices = {tensor.device for tensor in tensors}
+        assert len(devices) == 1, f"torch.cat of tensors on {devices}"
+        return cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", checked)
+
+
 def _fill(store: SaveStore, rows: torch.Tensor, pattern: torch.Tensor, later: bool) -> None:
-    """Saves of two requests as steps make them: chunked prefill, a pattern saved whole at
-    every step, and (`later`) decode rows and a recomputation from position 0 (preemption)."""
+    """Saves of two requests as steps make them, on a device: chunked prefill, a pattern saved
+    whole at every step, an empty value (a `Lens` of no tokens) and (`later`) decode rows and a
+    recomputation from position 0 (preemption)."""
     if not later:
-        store.save("x", "a", 0, rows[:, :3], 1)
-        store.save("x", "a", 3, rows[:, 3:5], 1)
-        store.save_rows("a", 1, [("y", 0)], [rows[:, :2] * 10])
-        store.save("x", "p", 0, pattern, None)
+        store.save("x", "a", 0, on_a_device(rows[:, :3]), 1)
+        store.save("x", "a", 3, on_a_device(rows[:, 3:5]), 1)
+        store.save("x", "e", 0, on_a_device(rows[:, :5, :0]), 1)
+        store.save_rows("a", 1, [("y", 0)], [on_a_device(rows[:, :2] * 10)])
+        store.save("x", "p", 0, on_a_device(pattern), None)
+        store.save("z", "e", 0, on_a_device(rows[:, :5, :0]), 1)  # only empty values
         return
-    store.save("x", "a", 5, rows[:, 5:7], 1)
-    store.save("x", "a", 0, -rows[:, :2], 1)  # recomputed after a preemption: these win
-    store.save_rows("a", 1, [("y", 2)], [rows[:, 2:3] * 10])
-    store.save("x", "p", 0, 2 * pattern, None)
+    store.save("x", "a", 5, on_a_device(rows[:, 5:7]), 1)
+    store.save("x", "a", 0, on_a_device(-rows[:, :2]), 1)  # recomputed after a preemption
+    store.save("x", "e", 5, on_a_device(rows[:, 5:7, :0]), 1)
+    store.save_rows("a", 1, [("y", 2)], [on_a_device(rows[:, 2:3] * 10)])
+    store.save("x", "p", 0, on_a_device(2 * pattern), None)
+    store.save("z", "e", 5, on_a_device(rows[:, 5:7, :0]), 1)
 
 
-def test_spilled_saves_are_collected_unchanged(monkeypatch) -> None:
-    rows, pattern = torch.randn(1, 8, 4), torch.randn(2, 3, 3)
-    # "On the device": the memory of the values made here and of what is computed from them in
-    # `_fill`; whatever the store's moves make is "on the host".
-    made_here = {rows.untyped_storage().data_ptr(), pattern.untyped_storage().data_ptr()}
-    original_save, original_save_rows = SaveStore.save, SaveStore.save_rows
-
-    def save(self, key, location, first, value, axis):
-        made_here.add(value.untyped_storage().data_ptr())
-        original_save(self, key, location, first, value, axis)
-
-    def save_rows(self, location, axis, owners, values):
-        made_here.update(value.untyped_storage().data_ptr() for value in values)
-        original_save_rows(self, location, axis, owners, values)
-
-    monkeypatch.setattr(SaveStore, "save", save)
-    monkeypatch.setattr(SaveStore, "save_rows", save_rows)
-    monkeypatch.setattr(host_copies, "on_a_device",
-                        lambda value: value.untyped_storage().data_ptr() in made_here)
+def test_spilled_saves_are_collected_unchanged(monkeypatch, one_device_per_cat) -> None:
     monkeypatch.setattr(host_copies, "STAGING_BYTES", 64)  # a few tensors per batch
+    rows, pattern = torch.randn(1, 8, 4), torch.randn(2, 3, 3)
     store = SaveStore()
     _fill(store, rows, pattern, later=False)
     first = 4 * (4 * (5 + 2) + 18)  # float32: x's and y's rows, the latest pattern only
@@ -107,11 +122,16 @@ def test_spilled_saves_are_collected_unchanged(monkeypatch) -> None:
     rows.mul_(-3)  # a spill copies: what was saved before it no longer shares this memory
     _fill(store, rows, pattern, later=True)
     assert store.device_bytes == 4 * (4 * (2 + 2 + 1) + 18)
-    found = store.collect([("x", 7, {"a": None, "p": None}), ("y", 3, {"a": None})])
+    found = store.collect([("x", 7, {"a": None, "e": None, "p": None}), ("y", 3, {"a": None}),
+                           ("z", 7, {"e": None})])
     assert torch.equal(found["x"]["a"], torch.cat([-rows[:, :2], before[:, 2:5], rows[:, 5:7]],
                                                   dim=1))
+    assert found["x"]["e"].shape == found["z"]["e"].shape == (1, 7, 0)
     assert torch.equal(found["x"]["p"], 2 * pattern)
     assert torch.equal(found["y"]["a"], torch.cat([before[:, :2], rows[:, 2:3]], dim=1) * 10)
+    for saved in found.values():
+        for value in saved.values():
+            assert type(value) is torch.Tensor  # on the host
     assert store.device_bytes == 0 and len(store) == 0
 
 
@@ -160,16 +180,20 @@ def histories(draw):
 @given(histories())
 def test_spilling_at_any_point_never_changes_what_is_collected(history) -> None:
     chunks, computed = history
-    made_here: set[int] = set()  # "on the device": the rows made below, not the store's copies
     kept, spilled = SaveStore(), SaveStore()
+    cat = torch.cat
+
+    def one_device_per_cat(tensors, *args, **kwargs):
+        assert len({tensor.device for tensor in tensors}) == 1
+        return cat(tensors, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(host_copies, "on_a_device",
-                      lambda value: value.untyped_storage().data_ptr() in made_here)
+        patch.setattr(host_copies, "STAGING_BYTES", 64)  # runs of at most 16 rows are joined
+        patch.setattr(torch, "cat", one_device_per_cat)
         for step, (first, size, spill_after) in enumerate(chunks):
             rows = torch.arange(size, dtype=torch.float32).reshape(1, size, 1) + 100 * step
-            made_here.add(rows.untyped_storage().data_ptr())
-            for store in (kept, spilled):
-                store.save("k", "a", first, rows, 1)
+            kept.save("k", "a", first, rows, 1)
+            spilled.save("k", "a", first, on_a_device(rows), 1)
             if spill_after:
                 spilled.spill(0)
                 assert spilled.device_bytes == 0
@@ -177,4 +201,5 @@ def test_spilling_at_any_point_never_changes_what_is_collected(history) -> None:
         found = spilled.collect([("k", computed, {"a": None})])["k"]
     assert found.keys() == expected.keys()
     if "a" in expected:
+        assert type(found["a"]) is torch.Tensor
         assert torch.equal(found["a"], expected["a"])

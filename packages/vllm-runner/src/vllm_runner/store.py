@@ -125,7 +125,7 @@ class SaveStore:
         # A request with chunks on the host already (spilled) and on a device: all to the host
         # before joining (one tensor cannot join chunks of two devices).
         for key in [key for key, _, _ in requests if key in self._spilled]:
-            if self._device_bytes.get(key):
+            if key in self._device_bytes:  # saved on a device since (maybe zero bytes)
                 self._to_host(key, mover)
         mover.flush()
         found: dict[str, dict[str, torch.Tensor]] = {}
@@ -167,17 +167,26 @@ class SaveStore:
 
 
 def _joined(chunks: list[list[Any]], axis: int) -> list[list[Any]]:
-    """`chunks` with each run of chunks whose positions follow on (and on one device) joined
-    into one, in the same order (so a later chunk still wins over an earlier one)."""
-    runs: list[list[Any]] = []  # [first, end, [rows]]
+    """`chunks` with each run of device chunks whose positions follow on joined into one, in the
+    same order (so a later chunk still wins over an earlier one). Host chunks are left as they
+    are (joining them again at every spill would copy a request's history over and over), and a
+    run stops at `host_copies.STAGING_BYTES`, so the joined copy adds at most that much device
+    memory before it moves."""
+    runs: list[list[Any]] = []  # [first, end, bytes, [rows]], or [first, None, 0, [host rows]]
     for first, rows in chunks:
-        if runs and runs[-1][1] == first and runs[-1][2][0].device == rows.device:
+        size = rows.numel() * rows.element_size()
+        if (host_copies.on_a_device(rows) and runs and runs[-1][1] == first
+                and runs[-1][3][0].device == rows.device
+                and runs[-1][2] + size <= host_copies.STAGING_BYTES):
             runs[-1][1] += rows.shape[axis]
-            runs[-1][2].append(rows)
+            runs[-1][2] += size
+            runs[-1][3].append(rows)
+        elif host_copies.on_a_device(rows):
+            runs.append([first, first + rows.shape[axis], size, [rows]])
         else:
-            runs.append([first, first + rows.shape[axis], [rows]])
+            runs.append([first, None, 0, [rows]])
     return [[first, parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)]
-            for first, _, parts in runs]
+            for first, _, _, parts in runs]
 
 
 def _in_position_order(chunks: list[list[Any]], axis: int, computed: int,
@@ -198,4 +207,4 @@ def _in_position_order(chunks: list[list[Any]], axis: int, computed: int,
     order = [latest[p] for p in sorted(latest) if p < computed and (keep is None or keep(p))]
     if not order:
         return None
-    return rows.index_select(axis, torch.tensor(order, device=rows.device))
+    return rows.index_select(axis, rows.new_tensor(order, dtype=torch.long))
