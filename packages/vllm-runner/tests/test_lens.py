@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from conftest import GENERATED, PROMPTS
 from vllm import SamplingParams
@@ -26,3 +28,10 @@ def test_lens_equals_transformers_top_k_at_every_position(llm, reference) -> Non
     assert torch.equal(saved_tokens, expected_tokens)
     assert torch.allclose(saved_probs, expected_probs, atol=1e-5)
     assert "layers.1.layer_output" not in output.saved  # no hidden state shipped
+
+
+@pytest.mark.parametrize("top_k", [0, -3, 2.5, True, "5"])
+def test_a_lens_of_no_tokens_is_refused_when_made(top_k) -> None:
+    with pytest.raises(ValueError, match="top_k must be"):
+        ops.Lens("layers.0.layer_output", top_k=top_k)
+    assert ops.Lens("layers.0.layer_output", top_k=np.int64(3)).to_data()["top_k"] == 3

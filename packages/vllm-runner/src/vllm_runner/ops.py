@@ -7,6 +7,7 @@ travel in `SamplingParams.extra_args` across process boundaries.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any, Literal
 
 import torch
@@ -204,6 +205,12 @@ class Lens:
     top_k: int = 10
     positions: tuple[int, ...] | None = None
     steps: Steps = "all"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) \
+                or self.top_k < 1:
+            raise ValueError(f"Lens({self.location!r}, top_k={self.top_k!r}): top_k must be a "
+                             "whole number of tokens, at least 1")
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
