@@ -73,18 +73,20 @@ def on_a_device(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_subclass(_OnADevice)
 
 
+_TORCH_CAT = torch.cat
+
+
+def _cat_on_one_device(tensors, *args, **kwargs):
+    """`torch.cat` that refuses tensors of two devices, as on a GPU machine (on the host, a cat
+    of a host tensor and an `_OnADevice` one would succeed)."""
+    devices = {tensor.device for tensor in tensors}
+    assert len(devices) == 1, f"torch.cat of tensors on {devices}"
+    return _TORCH_CAT(tensors, *args, **kwargs)
+
+
 @pytest.fixture
 def one_device_per_cat(monkeypatch):
-    """`torch.cat` refuses tensors of two devices, as on a GPU machine (on the host, a cat of a
-    host tensor and an `_OnADevice` one would succeed)."""
-    cat = torch.cat
-
-    def checked(tensors, *args, **kwargs):
-        devices = {tensor.device for tensor in tensors}
-        assert len(devices) == 1, f"torch.cat of tensors on {devices}"
-        return cat(tensors, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "cat", checked)
+    monkeypatch.setattr(torch, "cat", _cat_on_one_device)
 
 
 def _fill(store: SaveStore, rows: torch.Tensor, pattern: torch.Tensor, later: bool) -> None:
@@ -181,15 +183,9 @@ def histories(draw):
 def test_spilling_at_any_point_never_changes_what_is_collected(history) -> None:
     chunks, computed = history
     kept, spilled = SaveStore(), SaveStore()
-    cat = torch.cat
-
-    def one_device_per_cat(tensors, *args, **kwargs):
-        assert len({tensor.device for tensor in tensors}) == 1
-        return cat(tensors, *args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:  # hypothesis: no function-scoped fixtures
         patch.setattr(host_copies, "STAGING_BYTES", 64)  # runs of at most 16 rows are joined
-        patch.setattr(torch, "cat", one_device_per_cat)
+        patch.setattr(torch, "cat", _cat_on_one_device)
         for step, (first, size, spill_after) in enumerate(chunks):
             rows = torch.arange(size, dtype=torch.float32).reshape(1, size, 1) + 100 * step
             kept.save("k", "a", first, rows, 1)

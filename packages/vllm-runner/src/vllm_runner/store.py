@@ -74,14 +74,13 @@ class SaveStore:
         """`save` for many requests at one location: `values[i]` are the rows of
         `owners[i] = (key, first position)` (one loop, for requests served together; the
         values come from one read, so all are on one device)."""
-        chunks, axes = self._chunks, self._axes
+        chunks, axes, device_bytes = self._chunks, self._axes, self._device_bytes
+        size = values[0].element_size() if values and host_copies.on_a_device(values[0]) else 0
         for (key, first_position), value in zip(owners, values, strict=True):
             axes[(key, location)] = token_axis
             chunks[key][location].append([first_position, value])
-        if values and host_copies.on_a_device(values[0]):
-            size = values[0].element_size()
-            for (key, _), value in zip(owners, values, strict=True):
-                self._device_bytes[key] += value.numel() * size
+            if size:
+                device_bytes[key] += value.numel() * size
 
     def spill(self, limit: int) -> None:
         """Move every save held on a device to the host if together they exceed `limit` bytes
@@ -172,19 +171,18 @@ def _joined(chunks: list[list[Any]], axis: int) -> list[list[Any]]:
     are (joining them again at every spill would copy a request's history over and over), and a
     run stops at `host_copies.STAGING_BYTES`, so the joined copy adds at most that much device
     memory before it moves."""
-    runs: list[list[Any]] = []  # [first, end, bytes, [rows]], or [first, None, 0, [host rows]]
+    runs: list[list[Any]] = []  # [first, end, bytes, [rows]]
     for first, rows in chunks:
         size = rows.numel() * rows.element_size()
+        # A device chunk never joins a host run: their devices differ.
         if (host_copies.on_a_device(rows) and runs and runs[-1][1] == first
                 and runs[-1][3][0].device == rows.device
                 and runs[-1][2] + size <= host_copies.STAGING_BYTES):
             runs[-1][1] += rows.shape[axis]
             runs[-1][2] += size
             runs[-1][3].append(rows)
-        elif host_copies.on_a_device(rows):
-            runs.append([first, first + rows.shape[axis], size, [rows]])
         else:
-            runs.append([first, None, 0, [rows]])
+            runs.append([first, first + rows.shape[axis], size, [rows]])
     return [[first, parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)]
             for first, _, _, parts in runs]
 
