@@ -191,7 +191,8 @@ def test_saves_moved_to_the_host_between_steps_still_equal_transformers(
     """Past the device limit saves move to the host at the start of the next step
     (`SaveStore.spill`), joined per request; what is collected must not change. Run here with
     every tensor treated as a GPU's and a limit of 0, so every step moves what the last saved,
-    over chunked prefill and decoding."""
+    over chunked prefill and decoding (on a GPU the tensors are a GPU's already: treating the
+    moved ones as a device's too would join host and device rows)."""
     from vllm_runner import host_copies
     from vllm_runner.store import SaveStore
 
@@ -203,7 +204,8 @@ def test_saves_moved_to_the_host_between_steps_still_equal_transformers(
             moved.append(self.device_bytes)
         original(self, 0)
 
-    monkeypatch.setattr(host_copies, "on_a_device", lambda value: True)
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(host_copies, "on_a_device", lambda value: True)
     monkeypatch.setattr(SaveStore, "spill", spill_everything)
     program = [ops.Save("layers.*.layer_output"), ops.Save("layers.0.attention_probabilities")]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
