@@ -137,6 +137,48 @@ def test_several_samples_of_a_programmed_request_are_refused(llm) -> None:
     assert len(plain.outputs) == 2  # requests without a program keep every vLLM feature
 
 
+def test_sampling_params_per_prompt_as_in_vllm(llm, reference) -> None:
+    """One `SamplingParams` per prompt, as `vllm.LLM.generate` takes them: each request stops
+    where its own params say, its saves cover its own positions and equal transformers', and
+    the caller's params are left unchanged."""
+    lengths = [2, 5, 3]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
+                           interventions=[ops.Save("layers.2.layer_output")], use_tqdm=False)
+    for index, (output, count) in enumerate(zip(outputs, lengths, strict=True)):
+        generated = list(output.outputs[0].token_ids)
+        assert len(generated) == count
+        expected = transformers_values(reference, PROMPTS[index] + generated[:-1])
+        close(output.saved["layers.2.layer_output"], expected["layers.2.layer_output"],
+              f"request {index}")
+    assert all(param.extra_args is None for param in params)
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params[:2],
+                     interventions=[ops.Save("layers.2.layer_output")], use_tqdm=False)
+
+
+def test_nothing_is_left_in_the_worker_after_requests_stop_early(llm) -> None:
+    """Requests that stop on a token the scheduler could not foresee may already be in the next
+    step (vLLM's async scheduling on a GPU runs a step ahead); whatever that step saved must be
+    collected or freed with them, not kept in the worker (on a GPU, memory never given back)."""
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    greedy_params = SamplingParams(max_tokens=8, temperature=0.0)
+    plain = llm.generate(prompts, greedy_params, use_tqdm=False)
+    stops = [SamplingParams(max_tokens=8, temperature=0.0,
+                            stop_token_ids=[output.outputs[0].token_ids[2]]) for output in plain]
+    outputs = llm.generate(prompts, stops, interventions=[ops.Save("layers.*.mlp_neurons")],
+                           use_tqdm=False)
+    assert all(len(output.outputs[0].token_ids) <= 3 for output in outputs)
+    for output in outputs:
+        generated = len(output.outputs[0].token_ids)
+        rows = output.saved["layers.0.mlp.mlp_neurons"].shape[1]
+        assert rows == len(output.prompt_token_ids) + generated - 1
+    held = llm.engine.collective_rpc(
+        lambda worker: (len(worker.model_runner.interp.store),
+                        worker.model_runner.interp.store.device_bytes))
+    assert held == [(0, 0)], f"saves left in the worker: {held}"
+
+
 def test_requests_saving_the_same_value_share_one_read_and_each_equal_transformers(
         llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests 0 and 2 run the same program (every layer saved), so each step reads each

@@ -55,6 +55,22 @@ def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
                     f"{type(prompt).__name__}")
 
 
+def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                count: int) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt, from one for all (or vLLM's default) or a list."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * count
+    given = list(sampling_params)
+    if len(given) != count:
+        raise ValueError(f"{len(given)} sampling_params for {count} prompts: pass one "
+                         "SamplingParams for every prompt, or one per prompt")
+    for index, param in enumerate(given):
+        if not isinstance(param, SamplingParams):
+            raise TypeError(f"sampling_params[{index}] is a {type(param).__name__}, not a "
+                            "SamplingParams")
+    return given
+
+
 class LLM:
     """`vllm.LLM` plus `interventions=` on `generate` (see DESIGN §4).
 
@@ -153,24 +169,27 @@ class LLM:
         self.resolve([f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
                       for ops in programs for op in ops])
 
-    def generate(self, prompts: Any, sampling_params: SamplingParams | None = None,
+    def generate(self, prompts: Any,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  interventions: Sequence[Op] | Sequence[Sequence[Op]] | None = None,
                  **kwargs: Any) -> list[Any]:
         """Generate like `vllm.LLM.generate`, running `interventions` on each request.
 
-        `interventions` is one list of ops for every prompt, or one list per prompt.
+        `sampling_params` is one `SamplingParams` for every prompt or one per prompt, as in
+        vLLM; `interventions` is one list of ops for every prompt, or one list per prompt.
         """
         single = isinstance(prompts, (str, dict))
         prompt_list = [prompts] if single else list(prompts)
         programs = self._programs(interventions, len(prompt_list))
         self._check_locations(programs)
-        base = sampling_params or SamplingParams()
         requests, params, keys, filters = [], [], [], []
         # One program given for every prompt is encoded (tensors, pickled code, salt) once.
         encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], str]] = {}
-        for prompt, ops in zip(prompt_list, programs, strict=True):
+        for prompt, ops, given in zip(prompt_list, programs,
+                                      _per_prompt(sampling_params, len(prompt_list)),
+                                      strict=True):
             request = _as_prompt_dict(prompt)
-            param = base.clone()
+            param = given.clone()  # the caller's object is not changed
             key = None
             if ops:
                 if param.n > 1:
