@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm_runner import host_copies
+from vllm_runner import store as store_module
 from vllm_runner.settings import device_saves_limit
 from vllm_runner.store import SaveStore
 
@@ -149,7 +150,36 @@ def test_the_device_saves_limit_is_in_mib(monkeypatch) -> None:
     monkeypatch.setenv("VLLM_INTERP_DEVICE_SAVES_MIB", "5")
     assert device_saves_limit() == 5 * 2**20
     monkeypatch.delenv("VLLM_INTERP_DEVICE_SAVES_MIB")
-    assert device_saves_limit() == 1024 * 2**20
+    assert device_saves_limit() is None  # the store's own: half of the free device memory
+
+
+def test_without_a_limit_half_the_device_memory_free_at_the_first_save_is_kept(
+        monkeypatch) -> None:
+    """`spill(None)` asks the saves' device once how much is free, when it first holds saves
+    (after vLLM took its share), and keeps up to half of it; a device that cannot say gets
+    the fallback."""
+    asked: list[torch.device] = []
+
+    def free(device):
+        asked.append(device)
+        return 1000
+
+    monkeypatch.setattr(store_module, "free_device_bytes", free)
+    store = SaveStore()
+    store.spill(None)
+    assert asked == []  # nothing held: nothing asked
+    store.save("x", "a", 0, on_a_device(torch.zeros(1, 5, 25)), 1)  # 500 bytes
+    store.spill(None)
+    assert store.device_bytes == 500 and asked == [torch.device("cuda", 0)]
+    store.save("x", "a", 5, on_a_device(torch.zeros(1, 1, 25)), 1)  # 600 > 1000 // 2
+    store.spill(None)
+    assert store.device_bytes == 0 and len(asked) == 1
+
+    monkeypatch.setattr(store_module, "free_device_bytes", lambda device: None)
+    fallback = SaveStore()
+    fallback.save("x", "a", 0, on_a_device(torch.zeros(1, 5, 25)), 1)
+    fallback.spill(None)  # 1 GiB: nothing moves
+    assert fallback.device_bytes == 500
 
 
 def test_llm_refuses_a_bad_device_saves_limit_before_starting_the_engine(monkeypatch) -> None:

@@ -92,8 +92,8 @@ class LLM:
 
         `interp_device_saves_mib` is how many MiB of saves a worker keeps on its GPU before
         moving them to the host between steps (by default `VLLM_INTERP_DEVICE_SAVES_MIB`, else
-        1024; 0 moves them every step): that memory is outside vLLM's
-        `gpu_memory_utilization`. Set like `interp_reads`.
+        half of the GPU memory free when the first save lands; 0 moves them every step): that
+        memory is outside vLLM's `gpu_memory_utilization`. Set like `interp_reads`.
         """
         check_version(vllm.__version__)
         select_v1_runner()

@@ -23,7 +23,7 @@ from vllm_runner.edits import edit, only_kept_rows, position_filter, same_on_eve
 from vllm_runner.groups import cuts, pieces, reading_plan, runs
 from vllm_runner.locations import resolve
 from vllm_runner.program import program_of
-from vllm_runner.settings import DEFAULT_DEVICE_SAVES_MIB, read_mode
+from vllm_runner.settings import read_mode
 from vllm_runner.sharded import ShardedValues
 from vllm_runner.store import SaveStore
 
@@ -93,7 +93,7 @@ class Runtime:
 
     def __init__(self, model: nn.Module, hf_config: Any, fragments: Fragments | None = None,
                  rank: int = 0, reads: ReadMode = "lease",
-                 device_saves_limit: int = DEFAULT_DEVICE_SAVES_MIB * 2**20) -> None:
+                 device_saves_limit: int | None = None) -> None:
         self.reads = read_mode(reads)
         self.device_saves_limit = device_saves_limit
         self.standard = standardize(model, hf_config)

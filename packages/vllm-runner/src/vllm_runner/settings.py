@@ -26,18 +26,22 @@ def read_mode(value: str | None = None) -> ReadMode:
 
 #: How many MiB of saves a worker keeps on its GPU before moving them to the host.
 DEVICE_SAVES_VARIABLE = "VLLM_INTERP_DEVICE_SAVES_MIB"
-DEFAULT_DEVICE_SAVES_MIB = 1024
+#: Used when neither the setting nor the device says how much memory is free.
+FALLBACK_DEVICE_SAVES_MIB = 1024
 
 
-def device_saves_limit(value: int | str | None = None) -> int:
-    """`value` MiB, or the `VLLM_INTERP_DEVICE_SAVES_MIB` setting, or 1024 MiB, in bytes.
+def device_saves_limit(value: int | str | None = None) -> int | None:
+    """`value` MiB, or the `VLLM_INTERP_DEVICE_SAVES_MIB` setting, in bytes; `None` when
+    neither is given: the worker then keeps up to half of the GPU memory free when its first
+    save lands (`SaveStore.spill`).
 
     Saves stay on the GPU while a request runs (a copy to the host at every save would stall
     the GPU), in memory outside vLLM's `gpu_memory_utilization` budget; past this limit they
     are moved to the host at the start of the next step, so saving every layer over long
     generations cannot exhaust the GPU. 0 moves them at every step."""
-    given = value if value is not None else os.environ.get(DEVICE_SAVES_VARIABLE,
-                                                           DEFAULT_DEVICE_SAVES_MIB)
+    given = value if value is not None else os.environ.get(DEVICE_SAVES_VARIABLE)
+    if given is None:
+        return None
     try:
         mib = int(given)
     except (TypeError, ValueError):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from vllm_runner import host_copies
+from vllm_runner.settings import FALLBACK_DEVICE_SAVES_MIB
 
 # Values without a token axis (the attention pattern) are stored whole under this position.
 WHOLE = -1
@@ -38,6 +39,8 @@ class SaveStore:
         self._device_bytes: dict[str, int] = defaultdict(int)  # per key, saves on a device
         self._spilled: set[str] = set()  # keys with chunks moved to the host by `spill`
         self._staging: torch.Tensor | None = None  # made at the first move from a device
+        self._device: torch.device | None = None  # where device saves are (one per worker)
+        self._automatic_limit: int | None = None  # see `spill`
 
     @property
     def device_bytes(self) -> int:
@@ -61,6 +64,7 @@ class SaveStore:
         chunks = self._chunks[key][location]
         if host_copies.on_a_device(value):
             self._device_bytes[key] += value.numel() * value.element_size()
+            self._device = value.device
         if token_axis is None:
             for _, replaced in chunks:
                 if host_copies.on_a_device(replaced):
@@ -76,17 +80,27 @@ class SaveStore:
         values come from one read, so all are on one device)."""
         chunks, axes, device_bytes = self._chunks, self._axes, self._device_bytes
         size = values[0].element_size() if values and host_copies.on_a_device(values[0]) else 0
+        if size:
+            self._device = values[0].device
         for (key, first_position), value in zip(owners, values, strict=True):
             axes[(key, location)] = token_axis
             chunks[key][location].append([first_position, value])
             if size:
                 device_bytes[key] += value.numel() * size
 
-    def spill(self, limit: int) -> None:
+    def spill(self, limit: int | None) -> None:
         """Move every save held on a device to the host if together they exceed `limit` bytes
         (`settings.device_saves_limit`): a request's adjacent chunks are joined first, so this
-        is a few batched copies however many steps saved. Called between steps."""
-        if not self._device_bytes or self.device_bytes <= limit:
+        is a few batched copies however many steps saved. Called between steps.
+
+        `limit=None` is half of the device memory free the first time saves are held there:
+        after vLLM has taken its share, what is left is ours, and the other half stays free
+        for collection, which joins a request's saves on the device before they move."""
+        if not self._device_bytes:
+            return
+        if limit is None:
+            limit = self._limit_from_free_memory()
+        if self.device_bytes <= limit:
             return
         mover = host_copies.ToHost(self._staging_buffer)
         for key in list(self._device_bytes):
@@ -104,6 +118,13 @@ class SaveStore:
                     mover.add(chunk, 1)
         self._device_bytes.pop(key, None)
         self._spilled.add(key)
+
+    def _limit_from_free_memory(self) -> int:
+        if self._automatic_limit is None:
+            free = free_device_bytes(self._device)
+            self._automatic_limit = (FALLBACK_DEVICE_SAVES_MIB * 2**20 if free is None
+                                     else free // 2)
+        return self._automatic_limit
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
@@ -163,6 +184,13 @@ class SaveStore:
 
     def __len__(self) -> int:
         return len(self._chunks)
+
+
+def free_device_bytes(device: torch.device | None) -> int | None:
+    """Bytes free on `device` now (`None` where torch cannot say: not a CUDA device)."""
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def _joined(chunks: list[list[Any]], axis: int) -> list[list[Any]]:
