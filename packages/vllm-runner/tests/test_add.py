@@ -70,6 +70,24 @@ def test_steering_never_leaks_through_the_prefix_cache(llm, reference, vector) -
     assert steered == steered_greedy(reference, prompt, GENERATED, 2.0 * vector) != plain
 
 
+def test_steering_never_leaks_to_requests_with_the_callers_own_cache_salt(
+        llm, reference, vector) -> None:
+    # A salt the caller gives (vLLM's per-tenant cache isolation) must not replace the
+    # program's: a plain request with the same salt would read the steered blocks.
+    prompt = [(11 * i + 5) % 256 for i in range(66)]  # two whole 32-token KV blocks
+    def run(interventions):
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt, cache_salt="tenant")],
+                                 SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                                 interventions=interventions, use_tqdm=False)
+        return output
+    steered = run([ops.Add(f"layers.{LAYER}.layer_output", vector, 2.0)])
+    plain, again = run(None), run(None)
+    assert list(plain.outputs[0].token_ids) == steered_greedy(reference, prompt, GENERATED,
+                                                              None)
+    assert list(steered.outputs[0].token_ids) != list(plain.outputs[0].token_ids)
+    assert again.num_cached_tokens == 64  # the caller's salt still shares plain blocks
+
+
 def test_positions_limit_where_the_vector_is_added(llm, reference, vector) -> None:
     # Only at generated positions: the prompt's saved stream must be unchanged.
     location = f"layers.{LAYER}.layer_output"

@@ -204,7 +204,10 @@ class LLM:
                 key = new_key()
                 param.extra_args = {**(param.extra_args or {}),
                                     EXTRA_ARGS_KEY: encode(key, data, salt)}
-                request.setdefault("cache_salt", salt)
+                # The program's salt keeps its KV blocks from anyone not running it; a salt the
+                # caller gave keeps its own meaning too (both, joined).
+                given_salt = request.get("cache_salt")
+                request["cache_salt"] = salt if given_salt is None else f"{given_salt}/{salt}"
                 filters.append(collection_filters(data))
                 # A prefix-cache hit would skip the prompt rows the program must see: requests
                 # with a program always recompute their prompt (they still feed the cache).
