@@ -55,11 +55,11 @@ def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
                     f"{type(prompt).__name__}")
 
 
-def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams],
                 count: int) -> list[SamplingParams]:
-    """One `SamplingParams` per prompt, from one for all (or vLLM's default) or a list."""
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or SamplingParams()] * count
+    """One `SamplingParams` per prompt, from one for all or a list."""
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
     given = list(sampling_params)
     if len(given) != count:
         raise ValueError(f"{len(given)} sampling_params for {count} prompts: pass one "
@@ -159,11 +159,15 @@ class LLM:
               **sampling: Any) -> Trace:
         """One request in nnsight's style: ops written on `t.model` inside a `with` block run
         when it ends (see `vllm_runner.trace`). `sampling` builds the `SamplingParams` when none
-        are given, e.g. `llm.trace(prompt, max_tokens=8, temperature=0.0)`."""
+        are given, e.g. `llm.trace(prompt, max_tokens=8, temperature=0.0)`, over the model's
+        defaults (its generation config, as `vllm.LLM.generate` uses them)."""
         if sampling_params is not None and sampling:
             raise TypeError(f"pass sampling_params or sampling keywords ({', '.join(sampling)}), "
                             "not both")
-        return Trace(self, prompt, sampling_params or SamplingParams(**sampling))
+        if sampling_params is None:
+            defaults = self.engine.llm_engine.model_config.get_diff_sampling_param()
+            sampling_params = SamplingParams(**{**defaults, **sampling})
+        return Trace(self, prompt, sampling_params)
 
     def _check_locations(self, programs: list[list[Op]]) -> None:
         self.resolve([f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
@@ -176,8 +180,11 @@ class LLM:
         """Generate like `vllm.LLM.generate`, running `interventions` on each request.
 
         `sampling_params` is one `SamplingParams` for every prompt or one per prompt, as in
-        vLLM; `interventions` is one list of ops for every prompt, or one list per prompt.
+        vLLM, which also gives the defaults when there are none (the model's generation
+        config); `interventions` is one list of ops for every prompt, or one list per prompt.
         """
+        if sampling_params is None:
+            sampling_params = self.engine.get_default_sampling_params()
         single = isinstance(prompts, (str, dict))
         prompt_list = [prompts] if single else list(prompts)
         programs = self._programs(interventions, len(prompt_list))
