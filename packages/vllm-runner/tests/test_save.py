@@ -179,6 +179,35 @@ def test_nothing_is_left_in_the_worker_after_requests_stop_early(llm) -> None:
     assert held == [(0, 0)], f"saves left in the worker: {held}"
 
 
+def test_an_interrupted_generate_leaves_nothing_running_or_saved(llm, monkeypatch) -> None:
+    """vLLM leaves the requests of an interrupted `generate` (Ctrl-C) in the engine, to be
+    returned by the next call; ours are aborted and their saves freed, and the next call
+    returns its own outputs with their saves."""
+    engine = llm.engine.llm_engine
+    step, steps = engine.step, []
+
+    def interrupted_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    program = [ops.Save("layers.*.layer_output")]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                     SamplingParams(max_tokens=8, temperature=0.0), interventions=program,
+                     use_tqdm=False)
+    monkeypatch.undo()
+    assert engine.get_num_unfinished_requests() == 0
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])],
+                             SamplingParams(max_tokens=2, temperature=0.0),
+                             interventions=program, use_tqdm=False)
+    assert output.saved["layers.0.layer_output"].shape[1] == len(PROMPTS[0]) + 1
+    held = llm.engine.collective_rpc(lambda worker: len(worker.model_runner.interp.store))
+    assert held == [0], f"saves left in the worker: {held}"
+
+
 def test_requests_saving_the_same_value_share_one_read_and_each_equal_transformers(
         llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests 0 and 2 run the same program (every layer saved), so each step reads each

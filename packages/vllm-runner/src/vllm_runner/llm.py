@@ -222,14 +222,25 @@ class LLM:
             requests.append(request)
             params.append(param)
             keys.append(key)
+        # vLLM numbers requests from its counter, in order (checked against 0.26 and 0.32).
+        first_id = self.engine.request_counter.counter
         try:
             outputs = self.engine.generate(requests, params, **kwargs)
         except BaseException:
-            # Interrupted or failed: nobody will collect these saves, so free them now.
-            self.engine.collective_rpc("interp_drop", args=([k for k in keys if k],))
+            self._abandon(first_id, keys)
             raise
-        self._attach_saves(outputs, keys, filters)
+        self._attach_saves(outputs, {str(first_id + i): key for i, key in enumerate(keys)},
+                           filters)
         return outputs
+
+    def _abandon(self, first_id: int, keys: list[str | None]) -> None:
+        """After an interrupted or failed `generate`: abort its requests (vLLM would leave them
+        running, to be returned by the next call, saving into memory nobody frees), then free
+        what they saved."""
+        added = [str(i) for i in range(first_id, self.engine.request_counter.counter)]
+        if added:
+            self.engine.llm_engine.abort_request(added)
+        self.engine.collective_rpc("interp_drop", args=([key for key in keys if key],))
 
     def chat(self, messages: Any, sampling_params: SamplingParams | None = None,
              interventions: Sequence[Op] | Sequence[Sequence[Op]] | None = None, *,
@@ -280,14 +291,17 @@ class LLM:
         executor = getattr(self.engine.llm_engine, "model_executor", None)  # in-process only
         return type(executor).__name__ == "UniProcExecutor"
 
-    def _attach_saves(self, outputs: list[Any], keys: list[str | None],
+    def _attach_saves(self, outputs: list[Any], keys: dict[str, str | None],
                       filters: list[list[dict[str, Any]]]) -> None:
-        """Collect each programmed request's saves and error onto its output; `filters` holds
-        `collection_filters` of each programmed request, in order."""
+        """Collect each programmed request's saves and error onto its output; `keys` maps this
+        call's request ids to their programs' keys (vLLM also returns requests added before,
+        e.g. with `enqueue`: they get no saves), and `filters` holds `collection_filters` of
+        each programmed request, in order."""
         wanted = []
         pending = iter(filters)
-        for output, key in zip(outputs, keys, strict=True):
+        for output in outputs:
             output.saved, output.error = {}, None
+            key = keys.get(output.request_id)
             if key is None:
                 continue
             generated = len(output.outputs[0].token_ids) if output.outputs else 0
@@ -299,7 +313,8 @@ class LLM:
         in_process = self._in_process()
         (data, *_) = self.engine.collective_rpc("interp_collect", args=(wanted, not in_process))
         collected = data if in_process else wire.decode(data)
-        for output, key in zip(outputs, keys, strict=True):
+        for output in outputs:
+            key = keys.get(output.request_id)
             if key is not None:
                 result = collected.get(key, {})
                 output.saved = result.get("saved", {})
