@@ -107,6 +107,24 @@ def test_unknown_location_is_refused_before_anything_runs(llm) -> None:
                      interventions=[ops.Save("layers.7.layer_output")], use_tqdm=False)
 
 
+def test_badly_shaped_interventions_are_refused_by_name(llm) -> None:
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]]
+    save = ops.Save("layers.0.layer_output")
+    with pytest.raises(TypeError, match="got a Save \\(wrap it in a list\\)"):
+        llm.generate(prompts, interventions=save, use_tqdm=False)
+    with pytest.raises(TypeError, match="mixes ops and lists of ops"):
+        llm.generate(prompts, interventions=[[save], save], use_tqdm=False)
+
+
+def test_an_llm_that_failed_to_start_says_so_instead_of_recursing() -> None:
+    from vllm_runner import LLM
+
+    broken = LLM.__new__(LLM)  # what __init__ leaves when the engine could not start
+    assert not hasattr(broken, "llm_engine")
+    with pytest.raises(AttributeError, match="construction failed"):
+        broken.get_tokenizer()  # vLLM's, through the missing engine
+
+
 def test_support_lists_every_value_with_reasons(llm) -> None:
     support = llm.support()
     assert support["layers.2.layer_output"] is None
@@ -155,6 +173,22 @@ def test_sampling_params_per_prompt_as_in_vllm(llm, reference) -> None:
     with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params[:2],
                      interventions=[ops.Save("layers.2.layer_output")], use_tqdm=False)
+
+
+def test_prompts_as_token_id_lists_as_in_vllm(llm) -> None:
+    """vLLM takes a list of token ids as one prompt and a list of them as a batch."""
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    program = [ops.Save("layers.0.layer_output")]
+    (as_dict,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], params,
+                              interventions=program, use_tqdm=False)
+    (one,) = llm.generate(PROMPTS[0], params, interventions=program, use_tqdm=False)
+    batch = llm.generate(PROMPTS[:2], params, interventions=program, use_tqdm=False)
+    assert len(batch) == 2 and batch[1].prompt_token_ids == PROMPTS[1]
+    for output in (one, batch[0]):
+        assert torch.equal(output.saved["layers.0.layer_output"],
+                           as_dict.saved["layers.0.layer_output"])
+    with pytest.raises(TypeError, match="lists of token ids"):
+        llm.generate([3.5], params, use_tqdm=False)
 
 
 def test_nothing_is_left_in_the_worker_after_requests_stop_early(llm) -> None:

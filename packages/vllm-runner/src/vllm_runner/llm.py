@@ -46,13 +46,21 @@ def _worker_cls() -> str:
     return "vllm_runner.worker.InterpGPUWorker"
 
 
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(token, int) for token in prompt)
+
+
 def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
+    """A prompt as the dict vLLM takes (its forms: text, token ids, TextPrompt, TokensPrompt)."""
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if isinstance(prompt, dict):
         return dict(prompt)
-    raise TypeError(f"prompts must be strings or prompt dicts (TokensPrompt, TextPrompt); got "
-                    f"{type(prompt).__name__}")
+    if _is_token_ids(prompt):
+        return {"prompt_token_ids": list(prompt)}
+    raise TypeError(f"prompts must be strings, lists of token ids or prompt dicts (TokensPrompt, "
+                    f"TextPrompt); got {type(prompt).__name__}")
 
 
 def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams],
@@ -119,6 +127,9 @@ class LLM:
         self.engine = vllm.LLM(model=model, **engine)
 
     def __getattr__(self, name: str) -> Any:
+        """Everything else is vLLM's `LLM`'s (`get_tokenizer`, `llm_engine`, ...)."""
+        if name == "engine":  # not built (`__init__` failed): no recursion through this
+            raise AttributeError("this LLM has no engine: its construction failed")
         return getattr(self.engine, name)
 
     @property
@@ -185,7 +196,7 @@ class LLM:
         """
         if sampling_params is None:
             sampling_params = self.engine.get_default_sampling_params()
-        single = isinstance(prompts, (str, dict))
+        single = isinstance(prompts, (str, dict)) or _is_token_ids(prompts)
         prompt_list = [prompts] if single else list(prompts)
         programs = self._programs(interventions, len(prompt_list))
         self._check_locations(programs)
@@ -250,34 +261,58 @@ class LLM:
         """Chat like `vllm.LLM.chat` (one conversation or a list of them), running
         `interventions` as `generate` does.
 
-        The chat template is rendered here, with the engine's tokenizer, into token ids that go
-        through `generate`, so each request keeps its program's cache salt and `positions=`
-        count the rendered template's tokens. Text only: multimodal content is refused.
+        Without interventions this is vLLM's own `chat`, whatever it takes. With them, the chat
+        template (the call's, else the one `LLM(chat_template=)` loaded, else the tokenizer's)
+        is rendered here with the engine's tokenizer into token ids that go through `generate`,
+        so each request keeps its program's cache salt and `positions=` count the rendered
+        template's tokens; message contents must then be strings.
         """
+        template_options = {"chat_template": chat_template, "tools": tools,
+                            "add_generation_prompt": add_generation_prompt,
+                            "continue_final_message": continue_final_message}
+        if not interventions:
+            outputs = self.engine.chat(messages, sampling_params,
+                                       chat_template_kwargs=chat_template_kwargs,
+                                       **template_options, **kwargs)
+            for output in outputs:
+                output.saved, output.error = {}, None
+            return outputs
+        if chat_template is None:
+            template_options["chat_template"] = self.engine.chat_template
         conversations = [messages] if messages and isinstance(messages[0], dict) else (
             list(messages))
         tokenizer = self.engine.get_tokenizer()
         prompts = []
         for conversation in conversations:
             for message in conversation:
-                if not isinstance(message.get("content", ""), str):
-                    raise TypeError("llm.chat with interventions takes text messages only (the "
-                                    f"content of a {message.get('role')!r} message is not a "
-                                    "string)")
+                content = message.get("content")
+                if content is not None and not isinstance(content, str):
+                    raise TypeError(
+                        "llm.chat with interventions renders text messages only: the content "
+                        f"of a {message.get('role')!r} message is a {type(content).__name__}; "
+                        "pass its text as one string (vLLM's own chat, used when there are no "
+                        "interventions, takes content parts)")
+            # The named arguments win over the same names in chat_template_kwargs, as in vLLM.
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=chat_template, tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                conversation, **{**(chat_template_kwargs or {}), **template_options,
+                                 "tokenize": False})
             # The template writes the special tokens itself, as vLLM's own chat does.
             ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt_token_ids": ids})
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, interventions, **kwargs)
 
     @staticmethod
     def _programs(interventions: Any, count: int) -> list[list[Op]]:
         if not interventions:
             return [[] for _ in range(count)]
-        if all(isinstance(item, (list, tuple)) for item in interventions):
+        if not isinstance(interventions, (list, tuple)):
+            raise TypeError(f"interventions= takes a list of ops, or one list per prompt; got a "
+                            f"{type(interventions).__name__} (wrap it in a list)")
+        lists = [isinstance(item, (list, tuple)) for item in interventions]
+        if any(lists) and not all(lists):
+            raise TypeError("interventions= mixes ops and lists of ops; pass one list of ops for "
+                            "every prompt, or one list per prompt")
+        if all(lists):
             if len(interventions) != count:
                 raise ValueError(f"got {len(interventions)} intervention lists for {count} "
                                  "prompts; pass one list per prompt, or one list for all")
