@@ -43,7 +43,7 @@ else:
     [ "$run" = bfloat16-spill ] && spill=VLLM_INTERP_DEVICE_SAVES_MIB=0
     # Logs come back only from a failed run (a call returns at most 8 files).
     local log=/tmp/inplace-$run.log
-    env $spill $python benchmarks/gpu/inplace_check.py \
+    env -u VLLM_INTERP_DEVICE_SAVES_MIB $spill $python benchmarks/gpu/inplace_check.py \
       --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "$log" 2>&1 ||
       { status=1; cp "$log" "$out/"; }
     grep -v WARNING "$log" | tail -25

@@ -71,7 +71,7 @@ def test_steering_never_leaks_through_the_prefix_cache(llm, reference, vector) -
 
 
 def test_steering_never_leaks_to_requests_with_the_callers_own_cache_salt(
-        llm, reference, vector) -> None:
+        llm, reference, vector, monkeypatch) -> None:
     # A salt the caller gives (vLLM's per-tenant cache isolation) must not replace the
     # program's: a plain request with the same salt would read the steered blocks.
     prompt = [(11 * i + 5) % 256 for i in range(66)]  # two whole 32-token KV blocks
@@ -80,8 +80,17 @@ def test_steering_never_leaks_to_requests_with_the_callers_own_cache_salt(
                                  SamplingParams(max_tokens=GENERATED, temperature=0.0),
                                  interventions=interventions, use_tqdm=False)
         return output
+    sent = []
+    engine_generate = llm.engine.generate
+
+    def recording(requests, *args, **kwargs):
+        sent.extend(request.get("cache_salt") for request in requests)
+        return engine_generate(requests, *args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "generate", recording)
     steered = run([ops.Add(f"layers.{LAYER}.layer_output", vector, 2.0)])
     plain, again = run(None), run(None)
+    assert sent[0].startswith("tenant/") and sent[1:] == ["tenant", "tenant"]
     assert list(plain.outputs[0].token_ids) == steered_greedy(reference, prompt, GENERATED,
                                                               None)
     assert list(steered.outputs[0].token_ids) != list(plain.outputs[0].token_ids)

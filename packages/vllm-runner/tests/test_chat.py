@@ -61,3 +61,20 @@ def test_chat_without_interventions_is_vllms_own(llm) -> None:
     assert ours.error is None
     with pytest.raises(TypeError, match="content of a 'user' message is a list"):
         llm.chat(parts, params, [ops.Save("layers.0.layer_output")], use_tqdm=False)
+
+
+def test_chat_renders_unset_arguments_and_empty_contents_as_vllm_does(llm, monkeypatch) -> None:
+    # `tools` left unset must not hide the tools given in chat_template_kwargs, and a message
+    # without content (an assistant's tool call) renders as vLLM renders it.
+    monkeypatch.setattr(llm.engine, "chat_template",
+                        "{{ tools }}|{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                        "{% endfor %}")
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                    {"role": "user", "content": "Again"}]
+    tools = [{"type": "function", "function": {"name": "colour", "parameters": {}}}]
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    options = {"chat_template_kwargs": {"tools": tools}, "use_tqdm": False}
+    (plain,) = llm.engine.chat(conversation, params, **options)
+    (ours,) = llm.chat(conversation, params, [ops.Save("layers.0.layer_output")], **options)
+    assert "colour" in plain.prompt and "None" not in plain.prompt
+    assert ours.prompt == plain.prompt and ours.prompt_token_ids == plain.prompt_token_ids

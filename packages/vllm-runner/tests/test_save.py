@@ -173,6 +173,8 @@ def test_sampling_params_per_prompt_as_in_vllm(llm, reference) -> None:
     with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params[:2],
                      interventions=[ops.Save("layers.2.layer_output")], use_tqdm=False)
+    with pytest.raises(TypeError, match="must be a SamplingParams or a list of them; got a dict"):
+        llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], {"max_tokens": 2})
 
 
 def test_prompts_as_token_id_lists_as_in_vllm(llm) -> None:

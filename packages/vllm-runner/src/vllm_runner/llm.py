@@ -46,6 +46,20 @@ def _worker_cls() -> str:
     return "vllm_runner.worker.InterpGPUWorker"
 
 
+def _with_text(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` as our rendering takes it: string content (`None`, as on an assistant's tool
+    call, rendered as vLLM does: empty); content parts are refused, naming the message."""
+    content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
+    if not isinstance(content, str):
+        raise TypeError(
+            "llm.chat with interventions renders text messages only: the content of a "
+            f"{message.get('role')!r} message is a {type(content).__name__}; pass its text as one "
+            "string (vLLM's own chat, used when there are no interventions, takes content parts)")
+    return message
+
+
 def _is_token_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(
         isinstance(token, int) for token in prompt)
@@ -68,6 +82,10 @@ def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams],
     """One `SamplingParams` per prompt, from one for all or a list."""
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them; got a "
+                        f"{type(sampling_params).__name__} (beam search: llm.beam_search, "
+                        "without interventions)")
     given = list(sampling_params)
     if len(given) != count:
         raise ValueError(f"{len(given)} sampling_params for {count} prompts: pass one "
@@ -176,8 +194,9 @@ class LLM:
             raise TypeError(f"pass sampling_params or sampling keywords ({', '.join(sampling)}), "
                             "not both")
         if sampling_params is None:
-            defaults = self.engine.llm_engine.model_config.get_diff_sampling_param()
-            sampling_params = SamplingParams(**{**defaults, **sampling})
+            self.engine.get_default_sampling_params()  # reads the model's once, and keeps them
+            sampling_params = SamplingParams(**{**(self.engine.default_sampling_params or {}),
+                                                **sampling})
         return Trace(self, prompt, sampling_params)
 
     def _check_locations(self, programs: list[list[Op]]) -> None:
@@ -237,11 +256,14 @@ class LLM:
         first_id = self.engine.request_counter.counter
         try:
             outputs = self.engine.generate(requests, params, **kwargs)
-        except BaseException:
-            self._abandon(first_id, keys)
+            self._attach_saves(outputs, {str(first_id + i): key for i, key in enumerate(keys)},
+                               filters)
+        except BaseException as error:
+            try:
+                self._abandon(first_id, keys)
+            except Exception as cleanup:  # e.g. a Ctrl-C also stopped an engine process
+                error.add_note(f"vllm-runner could not abort this call's requests: {cleanup!r}")
             raise
-        self._attach_saves(outputs, {str(first_id + i): key for i, key in enumerate(keys)},
-                           filters)
         return outputs
 
     def _abandon(self, first_id: int, keys: list[str | None]) -> None:
@@ -277,27 +299,31 @@ class LLM:
             for output in outputs:
                 output.saved, output.error = {}, None
             return outputs
-        if chat_template is None:
-            template_options["chat_template"] = self.engine.chat_template
+        content_format = kwargs.pop("chat_template_content_format", "auto")
+        if content_format not in ("auto", "string"):
+            raise ValueError(f"llm.chat with interventions renders string contents only, not "
+                             f"chat_template_content_format={content_format!r}")
+        # As in vLLM: named arguments win over chat_template_kwargs, unless they are None.
+        options = {**(chat_template_kwargs or {}), "tokenize": False,
+                   **{name: value for name, value in template_options.items()
+                      if value is not None}}
+        if options.get("chat_template") is None:
+            options["chat_template"] = self.engine.chat_template
         conversations = [messages] if messages and isinstance(messages[0], dict) else (
             list(messages))
         tokenizer = self.engine.get_tokenizer()
         prompts = []
-        for conversation in conversations:
-            for message in conversation:
-                content = message.get("content")
-                if content is not None and not isinstance(content, str):
-                    raise TypeError(
-                        "llm.chat with interventions renders text messages only: the content "
-                        f"of a {message.get('role')!r} message is a {type(content).__name__}; "
-                        "pass its text as one string (vLLM's own chat, used when there are no "
-                        "interventions, takes content parts)")
-            # The named arguments win over the same names in chat_template_kwargs, as in vLLM.
-            text = tokenizer.apply_chat_template(
-                conversation, **{**(chat_template_kwargs or {}), **template_options,
-                                 "tokenize": False})
+        for index, conversation in enumerate(conversations):
+            text = tokenizer.apply_chat_template([_with_text(message) for message in conversation],
+                                                 **options)
             # The template writes the special tokens itself, as vLLM's own chat does.
             ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise ValueError(
+                    f"the chat template rendered conversation {index} to no tokens; templates "
+                    "that expect OpenAI-style content parts are not rendered by llm.chat with "
+                    "interventions: render the prompt yourself and pass its token ids to "
+                    "llm.generate")
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, interventions, **kwargs)
 
