@@ -75,6 +75,15 @@ def llm(model_dir: str, reference):  # the reference loads first; the engine the
                seed=0)
 
 
+@torch.no_grad()
+def greedy(model, prompt: list[int], count: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`, token by token: the oracle's tokens."""
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
 def logprob_steps(output) -> list[dict[int, float]]:
     """A completion's top log-probabilities, step by step, as plain numbers."""
     return [{token: lp.logprob for token, lp in step.items()}

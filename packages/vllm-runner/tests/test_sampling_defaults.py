@@ -9,8 +9,7 @@ import os
 import subprocess
 import sys
 
-import torch
-from conftest import PROMPTS
+from conftest import PROMPTS, greedy
 
 SCRIPT = """
 import json, sys
@@ -33,14 +32,6 @@ if __name__ == "__main__":
         ("plain", plain), ("saved", saved), ("traced", traced.output),
         ("shorter", shorter.output))} | {"error": saved.error}))
 """
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], count: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(count):
-        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
 
 
 def test_requests_without_params_use_the_models_generation_defaults(model_dir: str,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GENERATED, PROMPTS
+from conftest import GENERATED, PROMPTS, greedy
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LocationError, ops
@@ -40,14 +40,6 @@ def transformers_values(model, tokens: list[int]) -> dict[str, torch.Tensor]:
     values["next"] = output.logits[0, -1]
     values["logits"] = output.logits
     return values
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], count: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(count):
-        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
 
 
 @pytest.fixture(scope="module")
