@@ -99,6 +99,11 @@ def test_unknown_location_is_refused_before_anything_runs(llm) -> None:
                      interventions=[ops.Save("layers.7.layer_output")], use_tqdm=False)
 
 
+def test_vllms_names_are_listed_with_ours(llm) -> None:
+    names = dir(llm)
+    assert {"generate", "trace", "hidden_size", "get_tokenizer", "llm_engine"} <= set(names)
+
+
 def test_badly_shaped_interventions_are_refused_by_name(llm) -> None:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:2]]
     save = ops.Save("layers.0.layer_output")
@@ -112,7 +117,7 @@ def test_an_llm_that_failed_to_start_says_so_instead_of_recursing() -> None:
     from vllm_runner import LLM
 
     broken = LLM.__new__(LLM)  # what __init__ leaves when the engine could not start
-    assert not hasattr(broken, "llm_engine")
+    assert not hasattr(broken, "llm_engine") and "generate" in dir(broken)
     with pytest.raises(AttributeError, match="construction failed"):
         broken.get_tokenizer()  # vLLM's, through the missing engine
 

@@ -150,6 +150,11 @@ class LLM:
             raise AttributeError("this LLM has no engine: its construction failed")
         return getattr(self.engine, name)
 
+    def __dir__(self) -> list[str]:
+        """Ours and vLLM's names, so completion shows what `__getattr__` reaches."""
+        engine = self.__dict__.get("engine")
+        return sorted(set(super().__dir__()) | set(dir(engine) if engine is not None else ()))
+
     @property
     def hidden_size(self) -> int:
         """The residual stream's width: the size of a steering vector for `layer_output`."""
