@@ -110,12 +110,11 @@ def main() -> int:
     params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
 
     results = {}
-    shared = [*(ops.Save(p) for p in PATTERNS),
-              *(ops.Call(p, keep_shared, reads="lease") for p in PATTERNS)]
+    saves = [ops.Save(p) for p in PATTERNS]
+    shared = [*saves, *(ops.Call(p, keep_shared, reads="lease") for p in PATTERNS)]
     for mode in ("lease", "view", "shared"):
         programs = [shared] * len(prompts) if mode == "shared" else [
-            [*(ops.Save(p) for p in PATTERNS),
-             *(ops.Call(p, functools.partial(keep, mode, r), reads=mode) for p in PATTERNS)]
+            [*saves, *(ops.Call(p, functools.partial(keep, mode, r), reads=mode) for p in PATTERNS)]
             for r in range(len(prompts))]
         outputs = llm.generate(prompts, params, interventions=programs, use_tqdm=False)
         errors = [o.error for o in outputs if o.error]
