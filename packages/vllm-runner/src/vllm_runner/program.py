@@ -15,6 +15,8 @@ from typing import Any
 from vllm_runner.ops import Op
 
 EXTRA_ARGS_KEY = "vllm_interp"
+#: Ops that only read (and save): a program of these alone never changes a value the engine keeps.
+READ_ONLY_OPS = ("save", "lens")
 
 
 def new_key() -> str:
@@ -45,7 +47,7 @@ def collection_filters(ops_data: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What collecting a request's saves needs of its program: the location and position
     filters of its `save` and `lens` ops (no tensors, no code)."""
     return [{key: op.get(key) for key in ("op", "location", "positions", "steps")}
-            for op in ops_data if op["op"] in ("save", "lens")]
+            for op in ops_data if op["op"] in READ_ONLY_OPS]
 
 
 def _bytes_as_hex(value: Any) -> str:
@@ -59,3 +61,9 @@ def program_of(extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
     if not extra_args:
         return None
     return extra_args.get(EXTRA_ARGS_KEY)
+
+
+def edits(program: dict[str, Any] | None) -> bool:
+    """Whether a program may change the engine's values (any op but a save or a lens): its
+    requests' KV blocks are zeroed before they are handed to anyone else (`kv_blocks`)."""
+    return program is not None and any(op["op"] not in READ_ONLY_OPS for op in program["ops"])

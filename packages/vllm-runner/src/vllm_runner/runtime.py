@@ -22,7 +22,7 @@ from vllm_envoys import Call, Step, Value, standardize
 from vllm_runner.edits import edit, only_kept_rows, position_filter, same_on_every_row
 from vllm_runner.groups import cuts, pieces, reading_plan, runs
 from vllm_runner.locations import resolve
-from vllm_runner.program import program_of
+from vllm_runner.program import READ_ONLY_OPS, program_of
 from vllm_runner.settings import read_mode
 from vllm_runner.sharded import ShardedValues
 from vllm_runner.store import SaveStore
@@ -432,7 +432,7 @@ class Runtime:
         """Per saved location, which positions a request's `save` and `lens` ops keep."""
         filters = {}
         for op in ops:
-            if op["op"] not in ("save", "lens"):
+            if op["op"] not in READ_ONLY_OPS:
                 continue
             keep = position_filter(op, prompt_length)
             for location in self.resolve(op["location"]):

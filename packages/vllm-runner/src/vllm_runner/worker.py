@@ -22,6 +22,8 @@ from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 from vllm_runner import wire
 from vllm_runner.compat import check_runner
 from vllm_runner.errors import LocationError
+from vllm_runner.kv_blocks import WrittenBlocks
+from vllm_runner.program import edits, program_of
 from vllm_runner.runtime import Runtime
 from vllm_runner.settings import device_saves_limit, read_mode
 
@@ -30,6 +32,8 @@ class RunnerMixin:
     """Put in front of vLLM's V1 model runner class by `attach`."""
 
     interp: Runtime
+    interp_written: WrittenBlocks
+    interp_editing: set[str]
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)
@@ -37,7 +41,41 @@ class RunnerMixin:
         # Read at load, in the worker's own process: see `vllm_runner.llm.LLM`'s settings.
         self.interp = Runtime(self.get_model(), self.model_config.hf_config, fragments, rank,
                               reads=read_mode(), device_saves_limit=device_saves_limit())
+        self.interp_written = WrittenBlocks()
+        self.interp_editing = set()  # requests whose programs edit (their blocks are marked)
         return result
+
+    def _update_states(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's state update, then: zero the blocks handed out this step that an editing
+        request held (`kv_blocks`), before the forward writes into them, and remember the
+        blocks editing requests hold now."""
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            if edits(program_of(params.extra_args if params is not None else None)):
+                self.interp_editing.add(new.req_id)
+        result = super()._update_states(scheduler_output, *args, **kwargs)
+        handed_out = [block for new in scheduler_output.scheduled_new_reqs
+                      for group in new.block_ids for block in group]
+        handed_out += [block for ids in scheduler_output.scheduled_cached_reqs.new_block_ids
+                       if ids is not None for group in ids for block in group]
+        reused = self.interp_written.reused(handed_out)
+        if reused:
+            self._interp_zero_blocks(reused)
+        self.interp_editing.difference_update(scheduler_output.finished_req_ids)
+        for request_id in self.interp_editing:
+            state = self.requests.get(request_id)
+            if state is not None:
+                self.interp_written.held_by_editing(
+                    block for group in state.block_ids for block in group)
+        return result
+
+    def _interp_zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero KV-cache blocks with vLLM's own zeroing (the CPU runner's, or the GPU runner's
+        kernel, built on first use: vLLM builds it only for caches that always need it)."""
+        if not hasattr(self, "_kv_block_zeroer") and hasattr(self, "_init_kv_zero_meta") \
+                and type(self)._zero_block_ids is V1ModelRunner._zero_block_ids:
+            self._init_kv_zero_meta()
+        self._zero_block_ids(block_ids)
 
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
                        intermediate_tensors: Any = None, inputs_embeds: Any = None,
