@@ -6,16 +6,39 @@ rows inside the worker (tokenspan for rows, vllm-envoys for standard values), an
 come back per request.
 """
 
+from __future__ import annotations
+
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from vllm_runner import ops
-from vllm_runner.errors import InterpError, InterventionError, LocationError, UnsupportedEngine
-from vllm_runner.llm import LLM
+from vllm_runner.errors import (
+    EngineDied,
+    EngineStartError,
+    InterpError,
+    InterventionError,
+    LocationError,
+    UnsupportedEngine,
+)
+
+if TYPE_CHECKING:
+    from vllm_runner.llm import LLM
+
+
+def __getattr__(name: str) -> Any:
+    """`LLM` is imported on first use, not with the package: importing vLLM configures its
+    logging, which the `vllm-interp` command must set first (quiet, on stderr)."""
+    if name == "LLM":
+        from vllm_runner.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'vllm_runner' has no attribute {name!r}")
+
 
 try:
     __version__ = version("vllm-runner")
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["LLM", "InterpError", "InterventionError", "LocationError", "UnsupportedEngine",
-           "__version__", "ops"]
+__all__ = ["LLM", "EngineDied", "EngineStartError", "InterpError", "InterventionError",
+           "LocationError", "UnsupportedEngine", "__version__", "ops"]

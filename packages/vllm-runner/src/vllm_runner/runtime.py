@@ -8,6 +8,7 @@ position is `positions[query_start_loc[i]]`.
 
 from __future__ import annotations
 
+import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,14 @@ from torch import nn
 from tpfragments import Fragments
 from vllm_envoys import Call, Step, Value, standardize
 
-from vllm_runner.edits import edit, only_kept_rows, position_filter, same_on_every_row
+from vllm_runner.edits import (
+    before_the_prompt,
+    edit,
+    only_kept_rows,
+    position_filter,
+    refuse_non_finite,
+    same_on_every_row,
+)
 from vllm_runner.groups import cuts, pieces, reading_plan, runs
 from vllm_runner.locations import resolve
 from vllm_runner.program import READ_ONLY_OPS, program_of
@@ -111,6 +119,8 @@ class Runtime:
         self._skipped: dict[tuple[str, str], torch.Tensor] = {}
         # Unpickled `Call` functions per request key (unpickled once, not every step).
         self._functions: dict[str, dict[int, Any]] = {}
+        # Requests whose programs were checked against their prompt (at their first step).
+        self._checked: set[str] = set()
 
     def resolve(self, pattern: str) -> list[str]:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
@@ -139,7 +149,8 @@ class Runtime:
             state = runner.requests.get(request_id)
             params = getattr(state, "sampling_params", None)
             program = program_of(params.extra_args if params is not None else None)
-            if program is not None:
+            # A failed program stops where it failed: nothing more is read or written for it.
+            if program is not None and not self.store.failed(program["key"]):
                 programs.append((request_id, state, program))
         if not programs:
             self._tokens = self._sampled = NOTHING
@@ -163,6 +174,11 @@ class Runtime:
             key = program["key"]
             span = layout[request_id]
             prompt_length = len(state.prompt_token_ids)
+            if key not in self._checked:
+                self._checked.add(key)
+                if (problem := before_the_prompt(program["ops"], prompt_length)) is not None:
+                    self.store.fail(key, problem)
+                    continue
             step = Step(span.first_position, len(span), prompt_length)
             last = sampled[request_id]
             # A chunk that ends before the prompt does is not sampled: its logits are dropped.
@@ -275,8 +291,8 @@ class Runtime:
                    token_axis: int | None) -> None:
         """Run one request's op on its own rows."""
         location = value.location
-        if value.reason(want.step) is not None:
-            return  # e.g. the pattern outside a whole-prompt step
+        if value.reason(want.step) is not None or self.store.failed(want.key):
+            return  # e.g. the pattern outside a whole-prompt step; a program failed earlier
         try:
             rows = narrow(raw, want.span, layout)
             kind = want.op["op"]
@@ -304,10 +320,12 @@ class Runtime:
                                         want.span.first_position, current,
                                         edit(want.op, current, value.eproperty.layout),
                                         token_axis)
+                refuse_non_finite(edited, f"the {kind}")
                 widen(raw, want.span, layout, value.write(rows, edited, want.step))
         except Exception as error:  # one request's failure must not stop the engine
+            where = _user_frames(error) if want.op["op"] == "call" else ""
             self.store.fail(want.key, f"{want.op['op']} at {location}: "
-                                      f"{type(error).__name__}: {error}")
+                                      f"{type(error).__name__}: {error}{where}")
 
     def _serve_together(self, value: Value, raw: Any, members: Group, layout: StepLayout,
                         token_axis: int | None) -> bool:
@@ -322,6 +340,7 @@ class Runtime:
         kind = op["op"]
         if (token_axis is None or not value.eproperty.codec.rowwise
                 or kind not in TOGETHER or position_filter(op, 0) is not None
+                or self.store.any_failed
                 or not _served_at_every_step(value, members)):
             return False
         if kind == "save" and not self.keeps_saves:
@@ -345,6 +364,7 @@ class Runtime:
                 if not same_on_every_row(op, current, token_axis):
                     return False
                 edited = edit(op, current, value.eproperty.layout)
+                refuse_non_finite(edited, f"the {kind}")
                 writes.append((run, value.write(rows, edited, step)))
         except Exception:
             return False  # nothing written yet: served one by one, each with its own error
@@ -413,7 +433,10 @@ class Runtime:
         elif version is not None and lent._version != version:
             edited = lent
         else:
+            if version is None and mode == "view":  # its writes landed already: say so
+                refuse_non_finite(lent, "the function (in view mode: its writes landed)")
             return  # untouched: nothing is written
+        refuse_non_finite(edited, "the function" if edited is lent else "the function's result")
         widen(raw, want.span, layout, value.write(rows, edited, want.step))
 
     # ------------------------------------------------------------------ collection
@@ -447,11 +470,25 @@ class Runtime:
         self.store.drop(keys)
         for key in keys:
             self._functions.pop(key, None)
+            self._checked.discard(key)
 
     def error(self, key: str) -> str | None:
         """Why a request's program failed, or `None`; forgets the request's functions too."""
         self._functions.pop(key, None)
+        self._checked.discard(key)
         return self.store.error(key)
+
+
+def _user_frames(error: BaseException) -> str:
+    """The traceback lines of a `Call` function's failure below our call into it (the user's
+    own code, with its file and line), as text for the request's error."""
+    frames = traceback.extract_tb(error.__traceback__)
+    ours = [index for index, frame in enumerate(frames)
+            if frame.filename == __file__ and frame.name == "_call"]
+    user = frames[ours[-1] + 1:] if ours else frames
+    if not user:
+        return ""
+    return "\n" + "".join(traceback.format_list(user)).rstrip()
 
 
 def _served_at_every_step(value: Value, members: list[Want]) -> bool:

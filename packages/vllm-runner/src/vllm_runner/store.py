@@ -51,6 +51,15 @@ class SaveStore:
         """Record why `key`'s program failed (the first failure is kept)."""
         self._errors.setdefault(key, message)
 
+    @property
+    def any_failed(self) -> bool:
+        """Whether some program failed and was not collected yet."""
+        return bool(self._errors)
+
+    def failed(self, key: str) -> bool:
+        """Whether `key`'s program has failed (it is served no more)."""
+        return key in self._errors
+
     def error(self, key: str) -> str | None:
         """Why `key`'s program failed, or `None`; forgotten once read."""
         return self._errors.pop(key, None)
@@ -165,9 +174,7 @@ class SaveStore:
             if axis is None:
                 result[location] = chunks[0][1]
                 continue
-            rows = _in_position_order(chunks, axis, computed, wanted[location])
-            if rows is not None:
-                result[location] = rows
+            result[location] = _in_position_order(chunks, axis, computed, wanted[location])
         return result
 
     def _forget(self, key: str) -> None:
@@ -216,9 +223,10 @@ def _joined(chunks: list[list[Any]], axis: int) -> list[list[Any]]:
 
 
 def _in_position_order(chunks: list[list[Any]], axis: int, computed: int,
-                       keep: Callable[[int], bool] | None) -> torch.Tensor | None:
+                       keep: Callable[[int], bool] | None) -> torch.Tensor:
     """The chunks' rows by absolute position, a later chunk's row winning (preemption
-    recomputes from position 0; a repeated step rewrites its rows); `None` if no row is kept."""
+    recomputes from position 0; a repeated step rewrites its rows); no rows (an empty token
+    axis) when none is kept, e.g. positions the request never reached."""
     rows = torch.cat([chunk for _, chunk in chunks], dim=axis) if len(chunks) > 1 \
         else chunks[0][1]
     # Usually each chunk starts where the previous one ended, and nothing is filtered: the rows
@@ -226,11 +234,8 @@ def _in_position_order(chunks: list[list[Any]], axis: int, computed: int,
     firsts = [first for first, _ in chunks]
     ends = [first + chunk.shape[axis] for first, chunk in chunks]
     if keep is None and firsts[1:] == ends[:-1]:
-        count = min(ends[-1], computed) - firsts[0]
-        return rows.narrow(axis, 0, count) if count > 0 else None
+        return rows.narrow(axis, 0, max(min(ends[-1], computed) - firsts[0], 0))
     positions = [first + offset for first, chunk in chunks for offset in range(chunk.shape[axis])]
     latest = {position: index for index, position in enumerate(positions)}
     order = [latest[p] for p in sorted(latest) if p < computed and (keep is None or keep(p))]
-    if not order:
-        return None
     return rows.index_select(axis, rows.new_tensor(order, dtype=torch.long))
