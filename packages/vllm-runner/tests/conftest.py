@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +100,15 @@ def same_logprobs(one, other) -> bool:
         len(first) == len(second) and all(
             a.keys() == b.keys() and all(abs(a[t] - b[t]) <= LOGPROB_TOLERANCE for t in a)
             for a, b in zip(first, second, strict=True))
+
+
+def user_environment() -> dict[str, str]:
+    """This process's environment without the variables the test suite sets for its own
+    engines (conftest): what a user's shell has."""
+    return {name: value for name, value in os.environ.items()
+            if name not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TRITON_F32_DEFAULT")}
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The ```python blocks of a Markdown page, in order."""
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)

@@ -3,11 +3,16 @@ refused before any engine starts, and `demo` end to end on the embedded model.""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from conftest import user_environment
 from vllm_runner.cli import build_parser, support_table
 
 COMMAND = [sys.executable, "-m", "vllm_runner.cli"]
@@ -37,14 +42,106 @@ def test_support_table_groups_layers_and_gives_reasons(llm) -> None:
     assert "not gated" not in table and "this MLP is gated" in table
 
 
+def test_engine_arguments_pass_through_typed(capsys) -> None:
+    arguments = build_parser().parse_args(
+        ["support", "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", "1048576",
+         "--engine-arg", "max_num_seqs=16", "--engine-arg", "enable-prefix-caching=false",
+         "--engine-arg", "served_model_name=tiny"])
+    assert arguments.gpu_memory_utilization == 0.3
+    assert arguments.kv_cache_memory_bytes == 2**20
+    assert dict(arguments.engine_arg) == {"max_num_seqs": 16, "enable_prefix_caching": False,
+                                          "served_model_name": "tiny"}
+    for bad in (["--gpu-memory-utilization", "1.5"], ["--engine-arg", "no-equals-sign"]):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["support", *bad])
+        assert exit_info.value.code == 2
+    assert "expected" in capsys.readouterr().err
+
+
+def _command(*arguments: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMMAND, *arguments], env=user_environment(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_support_prints_only_its_table_and_vllm_is_quiet(model_dir: str) -> None:
+    completed = _command("support", "--model", model_dir)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.splitlines()
+    assert lines[0].split() == ["value", "available"]
+    assert all(not line or line[0] in " abcdefghijklmnopqrstuvwxyz_" for line in lines), lines
+    assert not [line for line in lines if "WARNING" in line or "INFO" in line]
+    assert "INFO" not in completed.stderr and "WARNING" not in completed.stderr
+
+
+def test_a_bad_location_is_one_line_and_exit_2(model_dir: str, tmp_path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    completed = _command("extract", "--model", model_dir, "--prompts", str(prompts), "--save",
+                         "layers.0.mlp_nurons", "--out", str(tmp_path / "out"))
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    assert completed.stderr.strip().splitlines() == [
+        line for line in completed.stderr.strip().splitlines() if "Traceback" not in line]
+    assert completed.stderr.strip().splitlines()[-1].startswith(
+        "vllm-interp extract: 'layers.0.mlp_nurons' is not a location")
+
+
+def test_other_extraction_settings_are_refused_before_the_engine_starts(tmp_path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"settings": {"shard_size": 3}, "shards": []}))
+    started = time.monotonic()
+    completed = _command("extract", "--model", "no-such-model", "--prompts", str(prompts),
+                         "--save", "layers.0.layer_output", "--out", str(out))
+    assert completed.returncode == 2
+    assert "holds an extraction with other settings" in completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert time.monotonic() - started < 30  # no engine was started (no such model either)
+
+
+def test_ctrl_c_stops_extract_with_one_line_and_exit_130_and_it_resumes(model_dir,
+                                                                          tmp_path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt number {i} is here\n" for i in range(400)))
+    out = tmp_path / "out"
+    arguments = [*COMMAND, "extract", "--model", model_dir, "--prompts", str(prompts), "--save",
+                 "layers.*.layer_output", "--out", str(out), "--shard-size", "8"]
+    child = subprocess.Popen(arguments, env=user_environment(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "shard-00001.safetensors").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(child.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, stderr = child.communicate(timeout=60)
+        assert time.monotonic() - sent < 30
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+    assert child.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "vllm-interp extract: interrupted. Run the same command again to resume: finished "
+        "shards are kept.")
+    resumed = subprocess.run(arguments, env=user_environment(), capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [shard["index"] for shard in manifest["shards"]] == list(range(50))
+
+
 def test_demo_runs_end_to_end_on_the_embedded_model(tmp_path) -> None:
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                   "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_INTERP_CACHE": str(tmp_path / "cache")}
     completed = subprocess.run([*COMMAND, "demo", "--out", str(tmp_path / "demo")],
-                               env=environment, capture_output=True, text=True, timeout=600)
+                               env=user_environment(), capture_output=True, text=True,
+                               timeout=600)
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert "1. Steering at layers." in completed.stdout
     assert "2. Logit lens" in completed.stdout
+    # docs/cli.md shows what it prints: the page must be what a user sees.
+    page = (Path(__file__).parents[3] / "docs" / "cli.md").read_text()
+    shown = page.split("What it printed on this machine")[1].split("```")[1].strip("\n")
+    assert shown in completed.stdout, completed.stdout
     for figure in ("logit_lens.png", "attention_pattern.png"):
         data = (tmp_path / "demo" / figure).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000, figure

@@ -5,13 +5,13 @@ then resumed yields every row exactly once."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import user_environment
 from vllm import SamplingParams
 from vllm_runner import ops
 from vllm_runner.extract import ExtractionMismatch, extract, load
@@ -59,8 +59,7 @@ def test_a_killed_extraction_resumes_with_every_row_once(prompts, in_memory, mod
     command = [sys.executable, "-m", "vllm_runner.cli", "extract", "--model", model_dir,
                "--prompts", str(prompt_file), "--save", ",".join(LOCATIONS), "--out", str(out),
                "--shard-size", "8", "--max-model-len", "128", "--dtype", "float32"]
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                   "VLLM_CPU_KVCACHE_SPACE": "1"}
+    environment = user_environment()  # as a user runs the command
     killed = subprocess.run(command, env={**environment, "VLLM_INTERP_EXTRACT_CRASH_AFTER": "3"},
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == 17, killed.stderr[-3000:]

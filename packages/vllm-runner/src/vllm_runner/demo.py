@@ -22,11 +22,13 @@ HAPPY = ["I love this, it is wonderful.", "What a beautiful, joyful day.",
          "This is the best news, I am thrilled.", "Everything went perfectly, I am so happy."]
 SAD = ["I hate this, it is awful.", "What a miserable, gloomy day.",
        "This is the worst news, I am devastated.", "Everything went wrong, I am so sad."]
-STEERED_PROMPTS = ["My week has been", "When I think about tomorrow, I feel"]
+# Chosen by reading what the embedded model writes at several layers and strengths: these show
+# the contrast plainly at layer 10 and strength 4 (stronger steering turns into repetition).
+STEERED_PROMPTS = ["When I think about tomorrow, I feel", "I opened the letter and"]
 LENS_PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
-def run_demo(llm: Any, out: Path, steer_layer: float = 0.33, strength: float = 8.0) -> Path:
+def run_demo(llm: Any, out: Path, steer_layer: float = 0.33, strength: float = 4.0) -> Path:
     """Run the three parts on `llm`, print the results, write the figures to `out`."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = llm.get_tokenizer()

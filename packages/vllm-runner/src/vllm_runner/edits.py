@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vllm_runner.ops import tensor_from_data
+from vllm_runner.ops import non_finite, tensor_from_data
 
 
 def edit(op: dict[str, Any], current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
@@ -44,11 +44,12 @@ def edit(op: dict[str, Any], current: torch.Tensor, layout: tuple[str, ...]) -> 
     return edited
 
 
-def refuse_non_finite(edited: Any, what: str) -> None:
-    """Raise if an edit's result holds NaN or infinity, before it is written: written into the
-    engine's rows it would spread through the request's later layers and its KV cache."""
+def refuse_non_finite(edited: Any, what: str, location: str) -> None:
+    """Raise if an edit's result holds NaN or infinity (`-inf` on the logits bans a token and is
+    allowed), before it is written: written into the engine's rows it would spread through the
+    request's later layers and its KV cache."""
     if isinstance(edited, torch.Tensor) and edited.is_floating_point():
-        bad = int((~torch.isfinite(edited)).sum())
+        bad = non_finite(edited, location == "logits")
         if bad:
             raise ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of "
                              f"{edited.numel()}; nothing was written")

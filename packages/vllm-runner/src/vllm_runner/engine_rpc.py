@@ -66,7 +66,7 @@ def call(engine: Any, method: str, args: tuple[Any, ...] = (),
         if resources.engine_dead:
             raise EngineDied(_dead(method))
         if time.monotonic() > deadline:
-            raise EngineDied(f"vLLM's engine did not answer {method} within {timeout:.0f} s; it "
+            raise EngineDied(f"vLLM's engine did not answer {method} within {timeout:g} s; it "
                              "is stopped or stuck (a Ctrl-C in a terminal stops its processes "
                              "too): start a new LLM")
     if "error" in outcome:

@@ -303,7 +303,8 @@ class LLM:
         added = [str(i) for i in range(first_id, self.engine.request_counter.counter)]
         if added and not engine_rpc.is_dead(self.engine):
             self.engine.llm_engine.abort_request(added)
-        self._rpc("interp_drop", ([key for key in keys if key],), engine_rpc.CLEANUP_TIMEOUT_S)
+        if dropped := [key for key in keys if key]:
+            self._rpc("interp_drop", (dropped,), engine_rpc.CLEANUP_TIMEOUT_S)
 
     def _rpc(self, method: str, args: tuple[Any, ...] = (),
              timeout: float = engine_rpc.DEFAULT_TIMEOUT_S) -> list[Any]:

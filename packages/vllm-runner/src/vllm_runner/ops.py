@@ -46,11 +46,20 @@ def _checked_tensor(op: Any, field_name: str) -> None:
                             tensor, torch.Tensor) else ""))
     if tensor.is_floating_point():
         # As it travels: float32 (`tensor_to_data`), where a float64 1e300 is infinite.
-        bad = int((~torch.isfinite(tensor.detach().float())).sum())
+        bad = non_finite(tensor.detach().float(), op.location == "logits")
         if bad:
             raise ValueError(f"{_name(op)}: {field_name} holds {bad} non-finite values (NaN or "
                              f"infinity, or beyond float32's range) of {tensor.numel()}; was it "
                              "normalised from a zero vector?")
+
+
+def non_finite(tensor: torch.Tensor, on_logits: bool) -> int:
+    """How many values of `tensor` are NaN or infinite — except `-inf` on the logits, which
+    bans a token and touches nothing the engine keeps."""
+    bad = ~torch.isfinite(tensor)
+    if on_logits:
+        bad &= tensor != float("-inf")
+    return int(bad.sum())
 
 
 def _checked_number(op: Any, field_name: str) -> None:
@@ -121,7 +130,8 @@ class Add:
         _checked_tensor(self, "vector")
         _checked_number(self, "scale")
         _checked_where(self)
-        if not bool(torch.isfinite(self.vector.detach().float() * float(self.scale)).all()):
+        if non_finite(self.vector.detach().float() * float(self.scale),
+                      self.location == "logits"):
             raise ValueError(f"{_name(self)}: scale * vector overflows float32 (scale="
                              f"{self.scale!r}); every value it is added to would be infinite")
 

@@ -320,7 +320,7 @@ class Runtime:
                                         want.span.first_position, current,
                                         edit(want.op, current, value.eproperty.layout),
                                         token_axis)
-                refuse_non_finite(edited, f"the {kind}")
+                refuse_non_finite(edited, f"the {kind}", location)
                 widen(raw, want.span, layout, value.write(rows, edited, want.step))
         except Exception as error:  # one request's failure must not stop the engine
             where = _user_frames(error) if want.op["op"] == "call" else ""
@@ -364,7 +364,7 @@ class Runtime:
                 if not same_on_every_row(op, current, token_axis):
                     return False
                 edited = edit(op, current, value.eproperty.layout)
-                refuse_non_finite(edited, f"the {kind}")
+                refuse_non_finite(edited, f"the {kind}", value.location)
                 writes.append((run, value.write(rows, edited, step)))
         except Exception:
             return False  # nothing written yet: served one by one, each with its own error
@@ -434,9 +434,11 @@ class Runtime:
             edited = lent
         else:
             if version is None and mode == "view":  # its writes landed already: say so
-                refuse_non_finite(lent, "the function (in view mode: its writes landed)")
+                refuse_non_finite(lent, "the function (in view mode: its writes landed)",
+                                  location)
             return  # untouched: nothing is written
-        refuse_non_finite(edited, "the function" if edited is lent else "the function's result")
+        refuse_non_finite(edited, "the function" if edited is lent else "the function's result",
+                          location)
         widen(raw, want.span, layout, value.write(rows, edited, want.step))
 
     # ------------------------------------------------------------------ collection

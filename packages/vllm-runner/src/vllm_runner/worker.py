@@ -14,8 +14,10 @@ must never import it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
@@ -26,6 +28,8 @@ from vllm_runner.kv_blocks import WrittenBlocks
 from vllm_runner.program import edits, program_of
 from vllm_runner.runtime import Runtime
 from vllm_runner.settings import device_saves_limit, read_mode
+
+logger = logging.getLogger("vllm.interp")
 
 
 class RunnerMixin:
@@ -71,11 +75,16 @@ class RunnerMixin:
 
     def _interp_zero_blocks(self, block_ids: list[int]) -> None:
         """Zero KV-cache blocks with vLLM's own zeroing (the CPU runner's, or the GPU runner's
-        kernel, built on first use: vLLM builds it only for caches that always need it)."""
+        kernel, built on first use: vLLM builds it only for caches that always need it); a
+        release without it (before 0.32) gets `_zero_blocks_of`."""
+        zero = getattr(self, "_zero_block_ids", None)
+        if zero is None:
+            _zero_blocks_of(self.kv_caches, self.kv_cache_config.num_blocks, block_ids)
+            return
         if not hasattr(self, "_kv_block_zeroer") and hasattr(self, "_init_kv_zero_meta") \
                 and type(self)._zero_block_ids is V1ModelRunner._zero_block_ids:
             self._init_kv_zero_meta()
-        self._zero_block_ids(block_ids)
+        zero(block_ids)
 
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
                        intermediate_tensors: Any = None, inputs_embeds: Any = None,
@@ -87,6 +96,22 @@ class RunnerMixin:
                                           inputs_embeds=inputs_embeds, **model_kwargs)
         finally:
             self.interp.end_step()
+
+
+def _zero_blocks_of(kv_caches: list[Any], num_blocks: int, block_ids: list[int]) -> None:
+    """Zero `block_ids` in each layer's KV cache along its blocks axis: the first of its two
+    leading axes that has `num_blocks` entries (`[blocks, ...]` or `[2, blocks, ...]` in vLLM's
+    layouts). A cache with neither is reported, not guessed at (and the step goes on: failing
+    it would stop every request)."""
+    for kv in kv_caches:
+        axis = next((axis for axis in (0, 1) if kv.dim() > axis and kv.shape[axis] == num_blocks),
+                    None)
+        if axis is None:
+            logger.error("vllm-interp cannot find the blocks axis of a KV cache shaped %s (%d "
+                         "blocks); blocks an edited request held are not zeroed",
+                         tuple(kv.shape), num_blocks)
+            continue
+        kv.index_fill_(axis, torch.tensor(block_ids, dtype=torch.long, device=kv.device), 0)
 
 
 def _tensor_parallel(model: Any) -> tuple[Any, int]:
