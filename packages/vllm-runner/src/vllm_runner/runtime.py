@@ -340,7 +340,8 @@ class Runtime:
         kind = op["op"]
         if (token_axis is None or not value.eproperty.codec.rowwise
                 or kind not in TOGETHER or position_filter(op, 0) is not None
-                or self.store.any_failed
+                or (self.store.any_failed and any(self.store.failed(want.key)
+                                                  for want in members))
                 or not _served_at_every_step(value, members)):
             return False
         if kind == "save" and not self.keeps_saves:

@@ -52,39 +52,40 @@ class RunnerMixin:
     def _update_states(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         """vLLM's state update, then: zero the blocks handed out this step that an editing
         request held (`kv_blocks`), before the forward writes into them, and remember the
-        blocks editing requests hold now."""
+        blocks editing requests hold now. Nothing to do while no request ever edited."""
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             if edits(program_of(params.extra_args if params is not None else None)):
                 self.interp_editing.add(new.req_id)
         result = super()._update_states(scheduler_output, *args, **kwargs)
-        handed_out = [block for new in scheduler_output.scheduled_new_reqs
-                      for group in new.block_ids for block in group]
-        handed_out += [block for ids in scheduler_output.scheduled_cached_reqs.new_block_ids
-                       if ids is not None for group in ids for block in group]
-        reused = self.interp_written.reused(handed_out)
-        if reused:
-            self._interp_zero_blocks(reused)
-        self.interp_editing.difference_update(scheduler_output.finished_req_ids)
-        for request_id in self.interp_editing:
-            state = self.requests.get(request_id)
-            if state is not None:
-                self.interp_written.held_by_editing(
-                    block for group in state.block_ids for block in group)
+        if self.interp_written:
+            handed_out = [block for new in scheduler_output.scheduled_new_reqs
+                          for group in new.block_ids for block in group]
+            handed_out += [block for ids in scheduler_output.scheduled_cached_reqs.new_block_ids
+                           if ids is not None for group in ids for block in group]
+            if reused := self.interp_written.reused(handed_out):
+                self._interp_zero_blocks(reused)
+        if self.interp_editing:
+            self.interp_editing.difference_update(scheduler_output.finished_req_ids)
+            for request_id in self.interp_editing:
+                state = self.requests.get(request_id)
+                if state is not None:
+                    self.interp_written.held_by_editing(
+                        block for group in state.block_ids for block in group)
         return result
 
     def _interp_zero_blocks(self, block_ids: list[int]) -> None:
-        """Zero KV-cache blocks with vLLM's own zeroing (the CPU runner's, or the GPU runner's
-        kernel, built on first use: vLLM builds it only for caches that always need it); a
-        release without it (before 0.32) gets `_zero_blocks_of`."""
-        zero = getattr(self, "_zero_block_ids", None)
-        if zero is None:
-            _zero_blocks_of(self.kv_caches, self.kv_cache_config.num_blocks, block_ids)
+        """Zero KV-cache blocks in every attention layer: with the GPU runner's own kernel
+        (built on first use: vLLM builds it only for caches that always need it), else along
+        each layer cache's blocks axis (`_zero_blocks_of`) — the CPU runner's own zeroing
+        covers full-attention layers only, and releases before 0.32 have none."""
+        gpu_zeroing = getattr(V1ModelRunner, "_zero_block_ids", None)
+        if gpu_zeroing is None or type(self)._zero_block_ids is not gpu_zeroing:
+            _zero_blocks_of(_layer_caches(self), self.kv_cache_config.num_blocks, block_ids)
             return
-        if not hasattr(self, "_kv_block_zeroer") and hasattr(self, "_init_kv_zero_meta") \
-                and type(self)._zero_block_ids is V1ModelRunner._zero_block_ids:
+        if not hasattr(self, "_kv_block_zeroer"):
             self._init_kv_zero_meta()
-        zero(block_ids)
+        self._zero_block_ids(block_ids)
 
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
                        intermediate_tensors: Any = None, inputs_embeds: Any = None,
@@ -96,6 +97,17 @@ class RunnerMixin:
                                           inputs_embeds=inputs_embeds, **model_kwargs)
         finally:
             self.interp.end_step()
+
+
+def _layer_caches(runner: Any) -> list[torch.Tensor]:
+    """Each attention layer's KV-cache tensor (vLLM's static forward context), once each."""
+    found: dict[int, torch.Tensor] = {}
+    for context in runner.compilation_config.static_forward_context.values():
+        caches = getattr(context, "kv_cache", None)
+        for cache in caches if isinstance(caches, (list, tuple)) else [caches]:
+            if isinstance(cache, torch.Tensor) and cache.numel():
+                found.setdefault(cache.data_ptr(), cache)
+    return list(found.values())
 
 
 def _zero_blocks_of(kv_caches: list[Any], num_blocks: int, block_ids: list[int]) -> None:
