@@ -5,10 +5,12 @@ naming the argument to change. Runs no engine: vLLM's `LLM` is replaced by a rec
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
 import vllm
+import vllm.envs
 from vllm_runner import engine_start
 from vllm_runner.engine_start import GIB, MULTIPROCESSING_VARIABLE, cpu_kv_cache_bytes, start
 from vllm_runner.errors import EngineStartError
@@ -22,16 +24,18 @@ class Recorder:
     def __init__(self, model: str, **engine: Any) -> None:
         Recorder.seen.append({"model": model, **engine,
                               "multiprocessing": os.environ.get(MULTIPROCESSING_VARIABLE)})
+        vllm.envs.enable_envs_cache()  # as vLLM's in-process engine does once it has started
 
 
 @pytest.fixture
-def recorder(monkeypatch) -> type[Recorder]:
+def recorder(monkeypatch) -> Iterator[type[Recorder]]:
     Recorder.seen = []
     monkeypatch.setattr(vllm, "LLM", Recorder)
     monkeypatch.delenv(MULTIPROCESSING_VARIABLE, raising=False)
     monkeypatch.delenv(engine_start.CPU_KV_CACHE_VARIABLE, raising=False)
     monkeypatch.setattr(engine_start, "_cpu_free_memory", lambda: (4 * GIB, 0))
-    return Recorder
+    yield Recorder
+    vllm.envs.disable_envs_cache()
 
 
 def test_the_kv_cache_is_half_of_what_is_free_after_the_weights_at_most_two_gib() -> None:
@@ -49,7 +53,8 @@ def test_on_a_cpu_an_unsized_engine_gets_a_kv_cache_and_runs_in_this_process(
     (seen,) = recorder.seen
     assert seen["kv_cache_memory_bytes"] == (4 * GIB - 1024 - GIB) // 2 // 2**20 * 2**20
     assert seen["multiprocessing"] == "0"
-    assert MULTIPROCESSING_VARIABLE not in os.environ  # restored for later engines
+    assert MULTIPROCESSING_VARIABLE not in os.environ  # restored for later engines,
+    assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True  # and what vLLM reads too
 
 
 @pytest.mark.parametrize("given", [{"gpu_memory_utilization": 0.3},

@@ -103,6 +103,18 @@ def _in_process_on_cpu(engine: dict[str, Any], on_cpu: bool) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(MULTIPROCESSING_VARIABLE, None)
+        _reread_vllm_environment()
+
+
+def _reread_vllm_environment() -> None:
+    """Make vLLM read its variables again: an in-process engine freezes what it read while
+    starting (`vllm.envs.enable_envs_cache`), which would keep our temporary setting for every
+    later engine of the process. vLLM reads this one only while an engine starts."""
+    import vllm.envs as envs
+
+    if getattr(envs, "_is_envs_cache_enabled", lambda: False)():
+        envs.disable_envs_cache()
+        envs.enable_envs_cache()
 
 
 def start(model: str, engine: dict[str, Any], on_cpu: bool) -> Any:
