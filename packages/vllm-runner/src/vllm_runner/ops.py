@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from tokenspan import READ_MODES, ReadMode
 
 Steps = Literal["all", "prefill", "decode"]
-STEPS = ("all", "prefill", "decode")
+STEPS: tuple[str, ...] = get_args(Steps)
 
 
 def _name(op: Any) -> str:
@@ -28,7 +28,7 @@ def _checked_where(op: Any) -> None:
     if op.steps not in STEPS:
         raise ValueError(f"{_name(op)}: steps={op.steps!r} must be one of {', '.join(STEPS)}")
     positions = op.positions
-    if positions is not None and (not isinstance(positions, (tuple, list)) or not all(
+    if positions is not None and (not isinstance(positions, (tuple, list, range)) or not all(
             isinstance(p, Integral) and not isinstance(p, bool) for p in positions)):
         raise ValueError(f"{_name(op)}: positions={positions!r} must be a tuple of whole "
                          "numbers (absolute, or negative from the end of the prompt), e.g. "
@@ -74,7 +74,7 @@ def _checked_number(op: Any, field_name: str) -> None:
 
 def _where(op: Any) -> dict[str, Any]:
     """The `positions` and `steps` filters of an op, as plain data."""
-    positions = None if op.positions is None else list(op.positions)
+    positions = None if op.positions is None else [int(p) for p in op.positions]  # numpy ints
     return {"positions": positions, "steps": op.steps}
 
 
