@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import user_environment
@@ -146,3 +147,29 @@ def test_demo_runs_end_to_end_on_the_embedded_model(tmp_path) -> None:
         data = (tmp_path / "demo" / figure).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000, figure
     print(completed.stdout)
+
+
+def test_a_failed_prompt_in_extract_is_one_line_and_exit_1(monkeypatch, tmp_path,
+                                                            capsys) -> None:
+    from vllm_runner import cli
+
+    failed = SimpleNamespace(
+        error="save at layers.0.layer_output: positions [-50] are before the start",
+        prompt_token_ids=[1, 2], saved={})
+
+    class Engine:  # what extract needs of an LLM, whose one request failed
+        def resolve(self, patterns):
+            return {}
+
+        def generate(self, *args, **kwargs):
+            return [failed]
+
+    monkeypatch.setattr(cli, "_llm", lambda arguments: Engine())
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    code = cli.main(["extract", "--prompts", str(prompts), "--save", "layers.0.layer_output",
+                     "--out", str(tmp_path / "out"), "--positions", "-50"])
+    assert code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "vllm-interp extract: prompt 0 ('hi'): save at layers.0.layer_output: positions [-50] "
+        "are before the start")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vllm_runner import ops
+from vllm_runner.errors import InterventionError
 
 MANIFEST = "manifest.json"
 FORMAT = "vllm-interp-extract/1"
@@ -60,8 +61,8 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
     Each prompt's values are what `llm.generate(..., interventions=[ops.Save(...)])` saves for
     it, run with `max_tokens=1`, so they cover the prompt's positions (`positions` keeps some:
     absolute, or negative from the end of the prompt). Returns the folder. Raises
-    `ExtractionMismatch` if `out` holds an extraction with other settings, and `RuntimeError`
-    naming the prompt if a program fails.
+    `ExtractionMismatch` if `out` holds an extraction with other settings, and
+    `InterventionError` naming the prompt if a program fails (shards written so far are kept).
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -96,7 +97,7 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
             for offset, output in enumerate(outputs):
                 number = first + offset
                 if output.error is not None:
-                    raise RuntimeError(f"prompt {number} ({batch[offset][:60]!r}): "
+                    raise InterventionError(f"prompt {number} ({batch[offset][:60]!r}): "
                                        f"{output.error}")
                 tensors[f"{number}/token_ids"] = torch.tensor(output.prompt_token_ids)
                 for location, value in output.saved.items():
