@@ -54,7 +54,8 @@ else:
 suites() {
   # (b) [C]'s suite with transformers on the same GPU (`suites envoys`), or [D]'s with its oracle
   # on the CPU (`suites runner`): each fits one 10-minute call. The tests that need the embedded
-  # model or the CLI are left out; tensor parallelism runs where there are two GPUs.
+  # model or the CLI are left out, and the interrupt test (it expects the CPU's in-process
+  # engine); tensor parallelism runs where there are two GPUs.
   local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE)
   export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
   if [ "$which" = envoys ]; then
@@ -67,7 +68,8 @@ suites() {
     local files=() half=(0 1) status=0
     for f in packages/vllm-runner/tests/test_*.py; do
       case $(basename "$f") in
-        test_embedded.py|test_cli.py|test_extract.py|test_guide.py|test_tensor_parallel.py) ;;
+        test_embedded.py|test_cli.py|test_extract.py|test_guide.py|test_readme.py|\
+          test_interrupt.py|test_tensor_parallel.py) ;;
         *) files+=("$f") ;;
       esac
     done
