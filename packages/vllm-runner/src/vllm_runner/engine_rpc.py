@@ -8,7 +8,7 @@ this one watches the client's `engine_dead` flag (set by vLLM's process monitor)
 deadline. In-process engines run the call here: it cannot outlive its engine.
 
 Reads vLLM's `LLM.llm_engine.engine_core` (the core client) and its `resources.engine_dead`
-(vLLM 0.26 and 0.32).
+(read in vLLM 0.32's source and run there; not yet run against 0.26's multiprocess client).
 """
 
 from __future__ import annotations
