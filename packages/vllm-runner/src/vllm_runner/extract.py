@@ -72,8 +72,7 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
         raise ValueError(f"shard_size must be at least 1, got {shard_size}")
     out = Path(out)
     settings = _settings(prompts, locations, positions, shard_size, model_name)
-    resumable(out, prompts, locations, positions=positions, shard_size=shard_size,
-              model_name=model_name)
+    _check_folder(out, settings)
     llm.resolve(list(locations))  # a bad location fails now, not after the first shard
     out.mkdir(parents=True, exist_ok=True)
     manifest = _open_manifest(out, settings)
@@ -98,7 +97,7 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
                 number = first + offset
                 if output.error is not None:
                     raise InterventionError(f"prompt {number} ({batch[offset][:60]!r}): "
-                                       f"{output.error}")
+                                            f"{output.error}")
                 tensors[f"{number}/token_ids"] = torch.tensor(output.prompt_token_ids)
                 for location, value in output.saved.items():
                     tensors[f"{number}/{location}"] = value[0].contiguous()
@@ -135,10 +134,13 @@ def resumable(out: str | Path, prompts: Sequence[str], locations: Sequence[str],
     """Check, without writing or starting anything, that `extract` with these settings can
     write to `out` (empty, new, or an extraction with the same settings): `ExtractionMismatch`
     naming what differs otherwise. The command runs it before its engine's slow start."""
-    out = Path(out)
+    _check_folder(Path(out), _settings(prompts, locations, positions, shard_size, model_name))
+
+
+def _check_folder(out: Path, settings: dict[str, Any]) -> None:
+    """`resumable`, for settings already made (hashing the prompts once per call)."""
     if out.exists() and not out.is_dir():
         raise ExtractionMismatch(f"{out} is a file, not a folder; choose a new --out")
-    settings = _settings(prompts, locations, positions, shard_size, model_name)
     path = out / MANIFEST
     if not path.exists():
         if any(out.glob("shard-*.safetensors")):
