@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from vllm_envoys import Call, FusedLayer, ReadOnly, Step, Unavailable, ValueShapeError
+from vllm_envoys import HookArgs, FusedLayer, ReadOnly, Step, Unavailable, ValueShapeError
 from vllm_envoys.families.gpt2 import Gpt2Layer
 
 
@@ -44,8 +44,8 @@ def fused() -> FusedLayer:
     return FusedLayer(stand_in_layer({"down_proj": nn.Identity()}), "layers.0")
 
 
-def qkv(tokens: int) -> Call:
-    return Call((torch.randn(tokens, 128), torch.randn(tokens, 64), torch.randn(tokens, 64)), {})
+def qkv(tokens: int) -> HookArgs:
+    return HookArgs((torch.randn(tokens, 128), torch.randn(tokens, 64), torch.randn(tokens, 64)), {})
 
 
 def test_heads_are_split_by_the_modules_head_size(fused: FusedLayer) -> None:
@@ -74,8 +74,8 @@ def test_views_share_the_engine_rows_where_the_value_is_not_computed(fused) -> N
         view.mul_(2.0)  # lands in the engine's tensor at once
         assert torch.equal(value.read(raw), view)
     hidden, residual = torch.randn(3, 128), torch.randn(3, 128)
-    assert fused.layer_input.view(Call((None, hidden, residual), {})) is None  # a sum
-    assert fused.layer_input.view(Call((None, hidden, None), {})).data_ptr() == hidden.data_ptr()
+    assert fused.layer_input.view(HookArgs((None, hidden, residual), {})) is None  # a sum
+    assert fused.layer_input.view(HookArgs((None, hidden, None), {})).data_ptr() == hidden.data_ptr()
     assert attention.attention_probabilities.view(raw, Step(0, 3, 3)) is None  # recomputed
 
 
@@ -115,7 +115,7 @@ def test_fused_stream_write_rebuilds_the_stream_exactly(fused: FusedLayer) -> No
     assert torch.equal(new_hidden + new_residual, stream[0] * 2)
     assert torch.count_nonzero(new_residual) == 0
     first = fused.layer_input  # before the first block the residual half is None
-    raw = Call((torch.arange(4), hidden, None), {})
+    raw = HookArgs((torch.arange(4), hidden, None), {})
     assert torch.equal(first.read(raw)[0], hidden)
     assert first.write(raw, first.read(raw) + 1).args[2] is None
 
@@ -125,7 +125,7 @@ def test_stream_block_mid_is_read_only_and_says_what_to_edit() -> None:
     stream = torch.randn(4, 128)
     assert torch.equal(layer.layer_output.write(stream, layer.layer_output.read(stream)), stream)
     with pytest.raises(ReadOnly, match="read-only"):
-        layer.layer_mid.write(Call((stream,), {}), stream.unsqueeze(0))
+        layer.layer_mid.write(HookArgs((stream,), {}), stream.unsqueeze(0))
     assert "attention_output" in layer.eproperties()["layer_mid"].description
 
 

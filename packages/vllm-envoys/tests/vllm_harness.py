@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the worker 
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_envoys import Call, Standardized, Step, Value, standardize
+from vllm_envoys import HookArgs, Standardized, Step, Value, standardize
 
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
@@ -69,7 +69,7 @@ class EnvoyHarness:
     def _hook(self, value: Value, on_value: Callable[[Value, Any], Any]) -> Any:
         if value.side == "input":
             def pre_hook(module, args, kwargs):
-                new = on_value(value, Call(args, kwargs))
+                new = on_value(value, HookArgs(args, kwargs))
                 return None if new is None else (new.args, new.kwargs)
             return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 

@@ -31,7 +31,7 @@ from vllm_envoys.hosts import (
     PlainMlp,
     StreamLayer,
 )
-from vllm_envoys.sites import Arguments, Call, Output
+from vllm_envoys.sites import Arguments, HookArgs, Output
 from vllm_envoys.standardize import Standardized, standardize
 
 try:
@@ -40,7 +40,7 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
-    "Arguments", "Attention", "Call", "Codec", "EProperty", "EnvoyError", "Family",
+    "Arguments", "Attention", "HookArgs", "Codec", "EProperty", "EnvoyError", "Family",
     "FusedLayer", "GatedMlp", "Heads", "Host", "Layer", "Model", "Moe", "Output", "PlainMlp",
     "ReadOnly", "Rows", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable",
     "UnknownFamily", "UnknownValue", "Value", "ValueShapeError", "__version__", "standardize",

@@ -1,6 +1,6 @@
 """Sites: where a value's tensors sit in what a hook sees, and how to put new ones there.
 
-A forward pre-hook sees a module call's arguments (`Call`); a forward hook sees its output. A
+A forward pre-hook sees a module call's arguments (`HookArgs`); a forward hook sees its output. A
 site picks the value's tensors out of that raw structure and puts replacements back, returning a
 new raw structure (never mutating the engine's tuples). Raw structures are plain tuples, dicts
 and tensors, so `tokenspan` can narrow them to one request's rows before a site looks at them.
@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 
-class Call(NamedTuple):
+class HookArgs(NamedTuple):
     """A module call's positional and keyword arguments, as a forward pre-hook sees them."""
 
     args: tuple
@@ -59,7 +59,7 @@ class Arguments(Site):
     def __init__(self, *arguments: tuple[str, int]) -> None:
         self.arguments = arguments
 
-    def _locate(self, call: Call, module: nn.Module, name: str, index: int) -> tuple[str, Any]:
+    def _locate(self, call: HookArgs, module: nn.Module, name: str, index: int) -> tuple[str, Any]:
         if name in call.kwargs:
             return "kwargs", name
         found = _parameter_index(type(module), name)
@@ -68,17 +68,17 @@ class Arguments(Site):
             return "args", position
         return "missing", name
 
-    def _get_one(self, call: Call, module: nn.Module, name: str, index: int) -> Any:
+    def _get_one(self, call: HookArgs, module: nn.Module, name: str, index: int) -> Any:
         where, key = self._locate(call, module, name, index)
         if where == "kwargs":
             return call.kwargs[key]
         return call.args[key] if where == "args" else None
 
-    def get(self, raw: Call, module: nn.Module) -> Any:
+    def get(self, raw: HookArgs, module: nn.Module) -> Any:
         pieces = tuple(self._get_one(raw, module, name, index) for name, index in self.arguments)
         return pieces[0] if len(pieces) == 1 else pieces
 
-    def put(self, raw: Call, module: nn.Module, piece: Any) -> Call:
+    def put(self, raw: HookArgs, module: nn.Module, piece: Any) -> HookArgs:
         pieces = (piece,) if len(self.arguments) == 1 else piece
         args, kwargs = list(raw.args), dict(raw.kwargs)
         for (name, index), new in zip(self.arguments, pieces, strict=True):
@@ -89,7 +89,7 @@ class Arguments(Site):
                 args[key] = new
             elif new is not None:
                 kwargs[name] = new
-        return Call(tuple(args), kwargs)
+        return HookArgs(tuple(args), kwargs)
 
 
 class Output(Site):

@@ -18,7 +18,7 @@ import torch
 from tokenspan import ReadMode, Span, StepLayout, narrow, widen
 from torch import nn
 from tpfragments import Fragments
-from vllm_envoys import Call, Step, Value, standardize
+from vllm_envoys import HookArgs, Step, Value, standardize
 
 from vllm_runner.edits import (
     before_the_prompt,
@@ -236,7 +236,7 @@ class Runtime:
         shard_keys = self.sharded.keys(value)
         if value.side == "input":
             def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                self._visit(location, value, Call(args, kwargs), shard_keys)
+                self._visit(location, value, HookArgs(args, kwargs), shard_keys)
             return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
