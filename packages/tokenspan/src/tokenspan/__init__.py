@@ -3,8 +3,10 @@
 Engines with continuous batching run many requests' tokens as one slab of rows. tokenspan
 says which rows belong to which request (`StepLayout`, `Span`), finds the token axis of a value
 (`token_axis`), takes a request's rows out (`narrow`), puts replaced rows back (`widen`), lends
-them safely to user code (`lease`), and does all of that for many requests at once
-(`StepLayout.select` → `Selection`). It depends on torch alone and knows no engine.
+them safely to user code (`lease`), and does all of
+that for many requests at once (`StepLayout.select` → `Selection`, with `Selection.reads()`
+planning one read per run of adjacent requests: `RunRead`). It depends on torch alone and knows
+no engine.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -14,6 +16,7 @@ from tokenspan.errors import LayoutError, SpanError, SpanShapeError
 from tokenspan.layout import StepLayout
 from tokenspan.lease import READ_MODES, Lease, ReadMode, lease
 from tokenspan.narrowing import narrow, widen
+from tokenspan.runs import RunRead
 from tokenspan.selection import Selection
 from tokenspan.span import Span
 
@@ -27,6 +30,7 @@ __all__ = [
     "LayoutError",
     "Lease",
     "ReadMode",
+    "RunRead",
     "Selection",
     "Span",
     "SpanError",

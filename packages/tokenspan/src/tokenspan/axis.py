@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenspan.errors import SpanShapeError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: layout imports this module, not the other way round
     from tokenspan.layout import StepLayout
 
 
-def token_axis(value: Any, layout: StepLayout) -> int | None:
+def token_axis(value: object, layout: StepLayout) -> int | None:
     """The axis along which `value` holds one row per token of the step, or `None`.
 
     Recognised: `[tokens, ...]` (axis 0; vLLM's flat slab), `[1, tokens, ...]` (axis 1; engines
@@ -30,7 +30,7 @@ def token_axis(value: Any, layout: StepLayout) -> int | None:
     shape = value.shape
     if not shape:
         return None
-    total, padded_total = layout._total, layout._padded_total
+    total, padded_total = layout.total, layout.padded_total
     if shape[0] == total or shape[0] == padded_total:
         return 0
     if len(shape) >= 2 and shape[0] == 1 and (shape[1] == total or shape[1] == padded_total):

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal
 
 import torch
 
+from tokenspan.axis import require_token_axis
 from tokenspan.errors import LayoutError
-from tokenspan.span import Span
+from tokenspan.selection import Selection
+from tokenspan.span import Key, Span
 
-if TYPE_CHECKING:
-    from tokenspan.selection import Selection
-
-Key = Hashable
+#: The per-request columns of a layout that `StepLayout.tensor` serves as int64 tensors.
+Column = Literal["starts", "counts", "first_positions"]
 
 
 def _ints(values: Any, what: str) -> list[int]:
@@ -44,8 +45,8 @@ class StepLayout:
     (cumulative offsets such as vLLM's `query_start_loc`) or `from_spans` (explicit row ranges).
     """
 
-    __slots__ = ("_counts", "_device_cache", "_first_positions", "_index", "_keys",
-                 "_padded_total", "_starts", "_total")
+    __slots__ = ("_counts", "_device_cache", "_first_positions", "_index", "_index_view",
+                 "_keys", "_padded_total", "_starts", "_total")
 
     def __init__(
         self,
@@ -63,6 +64,7 @@ class StepLayout:
         self._total = self._starts[-1] + self._counts[-1] if self._keys else 0
         self._padded_total = self._total if padded_total is None else int(padded_total)
         self._index = {key: i for i, key in enumerate(self._keys)}
+        self._index_view = MappingProxyType(self._index)
         self._device_cache: dict[tuple[str, str], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -145,10 +147,10 @@ class StepLayout:
         request overlaps, leaves a gap before it, or comes out of order.
         """
         keys = tuple(keys)
-        spans = [span if isinstance(span, Span) else Span(*span) for span in spans]
-        _check_lengths(keys, spans, "spans")
+        given = [span if isinstance(span, Span) else Span(*span) for span in spans]
+        _check_lengths(keys, given, "spans")
         previous: tuple[Key, Span] | None = None
-        for i, (key, span) in enumerate(zip(keys, spans, strict=True)):
+        for i, (key, span) in enumerate(zip(keys, given, strict=True)):
             if previous is None:
                 if span.start != 0:
                     raise LayoutError(
@@ -179,9 +181,9 @@ class StepLayout:
             previous = (key, span)
         return cls._validated(
             keys,
-            [span.start for span in spans],
-            [len(span) for span in spans],
-            [span.first_position for span in spans],
+            [span.start for span in given],
+            [len(span) for span in given],
+            [span.first_position for span in given],
             padded_total,
         )
 
@@ -196,14 +198,16 @@ class StepLayout:
     ) -> StepLayout:
         if len(set(keys)) != len(keys):
             seen: set[Key] = set()
-            duplicate = next(key for key in keys if key in seen or seen.add(key))
-            raise LayoutError(f"request {duplicate!r} appears more than once in the layout")
+            for key in keys:
+                if key in seen:
+                    raise LayoutError(f"request {key!r} appears more than once in the layout")
+                seen.add(key)
         if first_positions is None:
-            first_positions = [0] * len(keys)
+            positions = [0] * len(keys)
         else:
-            first_positions = _ints(first_positions, "first_positions")
-            _check_lengths(keys, first_positions, "first_positions")
-            for i, position in enumerate(first_positions):
+            positions = _ints(first_positions, "first_positions")
+            _check_lengths(keys, positions, "first_positions")
+            for i, position in enumerate(positions):
                 if position < 0:
                     raise LayoutError(
                         f"request {keys[i]!r} (index {i}) has a negative first position "
@@ -217,7 +221,7 @@ class StepLayout:
                 f"{starts[culprit] + counts[culprit]}, beyond the padded total of "
                 f"{padded_total} rows"
             )
-        return cls(keys, starts, counts, first_positions, padded_total)
+        return cls(keys, starts, counts, positions, padded_total)
 
     # ------------------------------------------------------------------ lookups
 
@@ -259,6 +263,15 @@ class StepLayout:
 
     def __contains__(self, key: object) -> bool:
         return key in self._index
+
+    @property
+    def index_map(self) -> Mapping[Key, int]:
+        """Each request key's index in slab order, as a read-only mapping.
+
+        For bulk lookups (`map(layout.index_map.get, keys)` skips absent keys with `None`);
+        `index` is the one-key lookup that names the known keys when one is absent.
+        """
+        return self._index_view
 
     def index(self, key: Key) -> int:
         """The request's place in slab order; `KeyError` naming known keys if absent."""
@@ -304,54 +317,69 @@ class StepLayout:
         return f"StepLayout({{{shown}{more}}}, total={self._total}, padded={self._padded_total})"
 
     # ------------------------------------------------------------------ vectorised views
+    #
+    # `tensor`, `row_owners` and `row_positions` hand out the layout's own cached tensors, built
+    # once per layout (and device): treat them as read-only. `request_indices` and `positions`
+    # are the same values as fresh copies, for callers that keep or modify them.
 
-    def _tensor(self, name: str, device: torch.device | str | None) -> torch.Tensor:
-        """Per-request int64 tensors (`starts`, `counts`, `first_positions`), cached per device."""
+    def tensor(self, name: Column, device: torch.device | str | None = None) -> torch.Tensor:
+        """A per-request column (`"starts"`, `"counts"` or `"first_positions"`) as an int64
+        tensor of `len(self)` entries on `device` (default: the host), cached per device.
+
+        The tensor is the layout's own: do not modify it.
+        """
         device_key = str(torch.device(device) if device is not None else torch.device("cpu"))
         cache_key = (name, device_key)
         cached = self._device_cache.get(cache_key)
         if cached is None:
-            cached = torch.tensor(getattr(self, f"_{name}"), dtype=torch.long, device=device_key)
+            columns = {"starts": self._starts, "counts": self._counts,
+                       "first_positions": self._first_positions}
+            cached = torch.tensor(columns[name], dtype=torch.long, device=device_key)
             self._device_cache[cache_key] = cached
         return cached
 
-    def _row_owners(self) -> torch.Tensor:
-        """Shared, cached (host) tensor: the slab-order index of each real row's request."""
+    def row_owners(self) -> torch.Tensor:
+        """For each of the `total` rows, the slab-order index of its request (int64, host).
+
+        Built once per layout and shared: do not modify it (`request_indices` gives a copy).
+        """
         cached = self._device_cache.get(("row_owners", "cpu"))
         if cached is None:
-            counts = self._tensor("counts", None)
+            counts = self.tensor("counts")
             cached = torch.repeat_interleave(torch.arange(len(self)), counts,
                                              output_size=self._total)
             self._device_cache[("row_owners", "cpu")] = cached
         return cached
 
-    def _row_positions(self) -> torch.Tensor:
-        """Shared, cached (host) tensor: the absolute position of each real row."""
+    def row_positions(self) -> torch.Tensor:
+        """The absolute position of each of the `total` rows (int64, host).
+
+        Built once per layout and shared: do not modify it (`positions` gives a copy).
+        """
         cached = self._device_cache.get(("row_positions", "cpu"))
         if cached is None:
-            shift = self._tensor("first_positions", None) - self._tensor("starts", None)
-            cached = torch.arange(self._total) + shift.index_select(0, self._row_owners())
+            shift = self.tensor("first_positions") - self.tensor("starts")
+            cached = torch.arange(self._total) + shift.index_select(0, self.row_owners())
             self._device_cache[("row_positions", "cpu")] = cached
         return cached
 
     def request_indices(self, device: torch.device | str | None = None) -> torch.Tensor:
         """For each of the `total` rows, the slab-order index of the request that owns it."""
-        return self._row_owners().to(device, copy=True)
+        return self.row_owners().to(device, copy=True)
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The absolute position of each of the `total` rows (padding excluded), one kernel pass."""
-        return self._row_positions().to(device, copy=True)
+        return self.row_positions().to(device, copy=True)
 
     def split(self, value: torch.Tensor, axis: int | None = None) -> dict[Key, torch.Tensor]:
         """Cut a slab into per-request views along its token axis, in one call (padding dropped).
 
         The views share storage with `value`: in-place edits land in the slab.
         """
-        from tokenspan.axis import require_token_axis
-
         axis = require_token_axis(value, self, axis)
         real = value.narrow(axis, 0, self._total)
-        return dict(zip(self._keys, torch.split(real, self._counts, dim=axis), strict=True))
+        return dict(zip(self._keys, torch.split(real, list(self._counts), dim=axis),
+                        strict=True))
 
     def select(
         self,
@@ -364,8 +392,6 @@ class StepLayout:
         positions wanted (`None` for all rows); positions not in this step are left out, so the
         same mapping can be used at every step. `None` selects every request.
         """
-        from tokenspan.selection import Selection
-
         return Selection.build(self, wanted, device)
 
 

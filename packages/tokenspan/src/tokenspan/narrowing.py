@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def check_span(span: Span, layout: StepLayout) -> None:
     """Refuse a span that reaches past the step's real rows (e.g. kept from an earlier step)."""
-    if span.stop > layout._total:
+    if span.stop > layout.total:
         raise LayoutError(
             f"span rows {span.start}:{span.stop} reach beyond this step's {layout.total} token "
             "rows; spans must come from the current step's layout"

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import pairwise, repeat
 from typing import TYPE_CHECKING
 
 import torch
 
 from tokenspan.axis import require_token_axis
-from tokenspan.errors import LayoutError, SpanShapeError
+from tokenspan.errors import LayoutError, SpanError, SpanShapeError
+from tokenspan.runs import RunRead, maximal_runs, plan_reads
+from tokenspan.span import Key
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: layout imports this module, not the other way round
     from tokenspan.layout import StepLayout
-
-Key = Hashable
 
 # On CPU, runs of at least this many rows on average are sliced run by run (see `_by_runs`).
 RUN_ROWS = 16
@@ -32,18 +32,34 @@ class Selection:
     Attributes: `keys` (selected requests present this step, in slab order), `counts` (rows
     selected per key), `rows` (int64 slab rows, ascending), `positions` (absolute position of
     each selected row), `owners` (index into `keys` of each selected row).
+
+    A selection of whole requests (`layout.select(keys)`) makes no tensor until one is used:
+    its `runs` and `reads()` come from the layout's starts and counts alone.
     """
 
-    __slots__ = ("_by_device", "_owners", "_positions", "_runs", "counts", "keys", "layout",
-                 "rows")
+    __slots__ = ("_by_device", "_indices", "_owners", "_positions", "_rows", "_runs", "_size",
+                 "counts", "keys", "layout")
 
     def __init__(
-        self, layout: StepLayout, keys: tuple[Key, ...], counts: tuple[int, ...], rows: torch.Tensor
+        self,
+        layout: StepLayout,
+        keys: tuple[Key, ...],
+        counts: tuple[int, ...],
+        rows: torch.Tensor | None,
+        *,
+        indices: tuple[int, ...] | None = None,
     ) -> None:
+        """Store a selection; use `StepLayout.select` instead.
+
+        `rows` is `None` for a selection of whole requests (made from the layout on first use);
+        `indices` are the keys' places in slab order, when the caller already has them.
+        """
         self.layout = layout
         self.keys = keys
         self.counts = counts
-        self.rows = rows
+        self._rows = rows
+        self._size = sum(counts)
+        self._indices = indices
         self._positions: torch.Tensor | None = None
         self._owners: torch.Tensor | None = None
         self._runs: list[tuple[int, int]] | None = None
@@ -58,41 +74,44 @@ class Selection:
     ) -> Selection:
         """Select rows; see `StepLayout.select` for what `wanted` may be."""
         whole_requests, position_lists, position_owners = _parse_wanted(layout, wanted)
-        row_owners = layout._row_owners()
-        # index_select / index_fill_ rather than advanced indexing: on a busy CPU the latter can
-        # cost milliseconds where these take microseconds.
-        wanted_whole = torch.zeros(len(layout), dtype=torch.bool)
-        wanted_whole.index_fill_(0, torch.tensor(whole_requests, dtype=torch.long), True)
-        selected = wanted_whole.index_select(0, row_owners)
-        if position_lists:
-            owners = torch.tensor(position_owners, dtype=torch.long)
-            offset = _absolute_positions(position_lists, owners, layout) - layout._tensor(
-                "first_positions", None).index_select(0, owners)
-            present = (offset >= 0) & (offset < layout._tensor("counts", None).index_select(
-                0, owners))
-            rows = layout._tensor("starts", None).index_select(0, owners) + offset
-            selected.index_fill_(0, rows.masked_select(present), True)
-        rows = selected.nonzero().squeeze(1)
-
-        if position_lists:
-            per_request = torch.bincount(row_owners.index_select(0, rows), minlength=len(layout))
-            chosen = per_request.nonzero().squeeze(1).tolist()
-            counts = tuple(per_request.index_select(0, torch.tensor(chosen, dtype=torch.long))
-                           .tolist())
-        else:  # whole requests only: their counts are known without looking at rows
+        if not position_lists:
+            # Whole requests only: their counts are known without looking at rows, and the rows
+            # tensor waits until something needs it (`reads()` and `runs` do not).
             all_counts = layout.counts
-            chosen = [i for i in sorted(set(whole_requests)) if all_counts[i]]
-            counts = tuple(map(all_counts.__getitem__, chosen))
-        selection = cls(layout, tuple(map(layout.keys.__getitem__, chosen)), counts, rows)
+            chosen = tuple(i for i in sorted(set(whole_requests)) if all_counts[i])
+            selection = cls(layout, tuple(map(layout.keys.__getitem__, chosen)),
+                            tuple(map(all_counts.__getitem__, chosen)), None, indices=chosen)
+        else:
+            rows = _selected_rows(layout, whole_requests, position_lists, position_owners)
+            per_request = torch.bincount(layout.row_owners().index_select(0, rows),
+                                         minlength=len(layout))
+            found = per_request.nonzero().squeeze(1).tolist()
+            counts = tuple(per_request.index_select(0, torch.tensor(found, dtype=torch.long))
+                           .tolist())
+            selection = cls(layout, tuple(map(layout.keys.__getitem__, found)), counts, rows,
+                            indices=tuple(found))
         if device is not None:
             selection.rows_on(device)
         return selection
 
     @property
+    def rows(self) -> torch.Tensor:
+        """The selected slab rows (int64, ascending, on the host)."""
+        if self._rows is None:
+            self._rows = _selected_rows(self.layout, list(self._request_indices()), [], [])
+        return self._rows
+
+    def _request_indices(self) -> tuple[int, ...]:
+        """Each selected key's index in the layout's slab order."""
+        if self._indices is None:
+            self._indices = tuple(map(self.layout.index, self.keys))
+        return self._indices
+
+    @property
     def positions(self) -> torch.Tensor:
         """The absolute position of each selected row (int64, on the host)."""
         if self._positions is None:
-            self._positions = self.layout._row_positions().index_select(0, self.rows)
+            self._positions = self.layout.row_positions().index_select(0, self.rows)
         return self._positions
 
     @property
@@ -101,19 +120,19 @@ class Selection:
         if self._owners is None:
             self._owners = torch.repeat_interleave(
                 torch.arange(len(self.keys)), torch.tensor(self.counts, dtype=torch.long),
-                output_size=len(self.rows),
+                output_size=self._size,
             )
         return self._owners
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self._size
 
     def __repr__(self) -> str:
         return f"Selection({len(self.keys)} requests, {len(self)} rows)"
 
-    def _on(self, name: str, device: torch.device) -> torch.Tensor:
-        """A selection tensor (`rows` or `owners`) on `device`, copied there at most once."""
-        tensor = getattr(self, name)
+    def _on(self, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A selection tensor (`rows` or `owners`, named by `name`) on `device`, copied there at
+        most once."""
         if device.type == "cpu":
             return tensor
         cache_key = (name, str(device))
@@ -125,12 +144,7 @@ class Selection:
 
     def rows_on(self, device: torch.device | str) -> torch.Tensor:
         """The row index on `device` (copied there once, then reused)."""
-        return self._on("rows", torch.device(device))
-
-    def _selected_shape(self, whole: torch.Tensor, axis: int) -> tuple[int, ...]:
-        shape = list(whole.shape)
-        shape[axis] = len(self)
-        return tuple(shape)
+        return self._on("rows", self.rows, torch.device(device))
 
     @property
     def runs(self) -> list[tuple[int, int]]:
@@ -139,7 +153,9 @@ class Selection:
         Neighbouring requests merge: selecting every request of a step is a single run.
         """
         if self._runs is None:
-            if len(self.rows) == 0:
+            if self._rows is None:  # whole requests: from the layout's starts and counts
+                self._runs = maximal_runs(self._starts(), self.counts)
+            elif len(self._rows) == 0:
                 self._runs = []
             else:
                 breaks = ((self.rows[1:] - self.rows[:-1]) != 1).nonzero().squeeze(1) + 1
@@ -160,7 +176,40 @@ class Selection:
         runs = self.runs
         if not runs:
             return False
-        return len(runs) == 1 or (device.type == "cpu" and len(self.rows) >= RUN_ROWS * len(runs))
+        return len(runs) == 1 or (device.type == "cpu" and len(self) >= RUN_ROWS * len(runs))
+
+    def reads(self) -> list[RunRead]:
+        """Where to read a value once for every selected request, and how to cut each read.
+
+        One `RunRead` per maximal run of adjacent selected rows (neighbouring requests merge),
+        in slab order — or, when there are several runs and the selection holds at least half
+        of the step's `layout.total` rows, a single read over the whole step, `Span(0, total)`:
+        one copy of at most twice what is kept beats many small ones. Read the value over each
+        `read.span`, then `read.pieces(value, axis)` gives `read.keys`' rows as views.
+
+        For selections of whole requests (`layout.select(keys)`, or a mapping whose requests
+        are selected with all their rows): a request with only some of its rows selected raises
+        `SpanError`, since its rows would not be one piece. Requests with no rows this step are
+        not selected, so they are in no read. Built from the layout's starts and counts, without
+        tensors.
+        """
+        if self._rows is not None:  # built from positions: check that each request is whole
+            layout_counts = self.layout.counts
+            for key, count, index in zip(self.keys, self.counts, self._request_indices(),
+                                         strict=True):
+                if count != layout_counts[index]:
+                    raise SpanError(
+                        f"reads() plans reads of whole requests, but this selection holds "
+                        f"{count} of the {layout_counts[index]} rows of request {key!r}; select "
+                        "whole requests (layout.select(keys)), or use gather and split for "
+                        "chosen positions"
+                    )
+        return plan_reads(self.keys, self._starts(), self.counts, self.layout.total)
+
+    def _starts(self) -> list[int]:
+        """Each selected request's first row in the slab (the layout's, not the selection's)."""
+        starts = self.layout.starts
+        return [starts[i] for i in self._request_indices()]
 
     def _selected_shape(self, whole: torch.Tensor, axis: int) -> tuple[int, ...]:
         shape = list(whole.shape)
@@ -177,7 +226,8 @@ class Selection:
 
     def split(self, gathered: torch.Tensor, axis: int = 0) -> dict[Key, torch.Tensor]:
         """Cut a gathered tensor (or any `[rows, ...]` result) into per-request views."""
-        return dict(zip(self.keys, torch.split(gathered, self.counts, dim=axis), strict=True))
+        return dict(zip(self.keys, torch.split(gathered, list(self.counts), dim=axis),
+                        strict=True))
 
     def per_row(self, per_request: torch.Tensor) -> torch.Tensor:
         """Expand `[len(keys), ...]` values, one per selected request, to one per selected row."""
@@ -186,7 +236,7 @@ class Selection:
                 f"expected one value per selected request ({len(self.keys)}), got a tensor of "
                 f"shape {tuple(per_request.shape)}"
             )
-        return per_request.index_select(0, self._on("owners", per_request.device))
+        return per_request.index_select(0, self._on("owners", self.owners, per_request.device))
 
     def scatter(self, whole: torch.Tensor, part: torch.Tensor, axis: int | None = None) -> None:
         """Write `part` (shaped like `gather`'s result) into the selected rows.
@@ -242,7 +292,7 @@ def _parse_wanted(
     Plain Python (C-level loops where possible), so the tensor work that follows is a fixed
     handful of kernels however many requests there are. Keys absent from the step are skipped.
     """
-    index_of = layout._index
+    index_of = layout.index_map
     if wanted is None:
         return list(range(len(layout))), [], []
     if not isinstance(wanted, Mapping):
@@ -261,6 +311,27 @@ def _parse_wanted(
         position_lists.extend(positions)
         position_owners.extend(repeat(index, len(position_lists) - before))
     return whole_requests, position_lists, position_owners
+
+
+def _selected_rows(
+    layout: StepLayout, whole_requests: list[int], position_lists: list[int],
+    position_owners: list[int],
+) -> torch.Tensor:
+    """The selected slab rows, ascending: every row of `whole_requests` (slab-order indices) and
+    the rows of the wanted positions present this step, one int64 tensor."""
+    # index_select / index_fill_ rather than advanced indexing: on a busy CPU the latter can
+    # cost milliseconds where these take microseconds.
+    wanted_whole = torch.zeros(len(layout), dtype=torch.bool)
+    wanted_whole.index_fill_(0, torch.tensor(whole_requests, dtype=torch.long), True)
+    selected = wanted_whole.index_select(0, layout.row_owners())
+    if position_lists:
+        owners = torch.tensor(position_owners, dtype=torch.long)
+        offset = _absolute_positions(position_lists, owners, layout) - layout.tensor(
+            "first_positions").index_select(0, owners)
+        present = (offset >= 0) & (offset < layout.tensor("counts").index_select(0, owners))
+        rows = layout.tensor("starts").index_select(0, owners) + offset
+        selected.index_fill_(0, rows.masked_select(present), True)
+    return selected.nonzero().squeeze(1)
 
 
 def _absolute_positions(

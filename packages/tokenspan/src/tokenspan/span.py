@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from tokenspan.errors import LayoutError
+
+#: A request's key in a step layout: anything hashable (vLLM's request ids are strings).
+Key = Hashable
 
 
 @dataclass(frozen=True, slots=True)

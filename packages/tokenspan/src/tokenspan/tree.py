@@ -8,7 +8,7 @@ alone, so they all walk values the same way; paths name the place in error messa
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from tokenspan.errors import SpanShapeError
 
@@ -23,7 +23,9 @@ def describe_path(path: Path) -> str:
     return "value" + "".join(f"[{step!r}]" for step in path)
 
 
-def _rebuild_sequence(original: tuple | list, items: list[Any]) -> tuple | list:
+def _rebuild_sequence(
+    original: tuple[Any, ...] | list[Any], items: list[Any]
+) -> tuple[Any, ...] | list[Any]:
     if isinstance(original, list):
         return items if type(original) is list else type(original)(items)
     if hasattr(original, "_fields"):  # a named tuple
@@ -31,11 +33,14 @@ def _rebuild_sequence(original: tuple | list, items: list[Any]) -> tuple | list:
     return tuple(items) if type(original) is tuple else type(original)(items)
 
 
-def _rebuild_mapping(original: Mapping, items: dict[Any, Any]) -> Mapping:
+def _rebuild_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
     if type(original) is dict:
         return items
+    # Mapping itself declares no constructor; concrete mappings (dict subclasses, OrderedDict,
+    # MappingProxyType) take a dict of items, and the others fall back to a plain dict.
+    rebuild = cast("Callable[[dict[Any, Any]], Mapping[Any, Any]]", type(original))
     try:
-        return type(original)(items)
+        return rebuild(items)
     except TypeError:
         return items
 
