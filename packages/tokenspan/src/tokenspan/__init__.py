@@ -3,7 +3,7 @@
 Engines with continuous batching run many requests' tokens as one slab of rows. tokenspan
 says which rows belong to which request (`StepLayout`, `Span`), finds the token axis of a value
 (`token_axis`), takes a request's rows out (`narrow`), puts replaced rows back (`widen`), lends
-them safely to user code (`lease`), and does all of
+them safely to user code (`lease`, or `lend` for one tensor already taken out), and does all of
 that for many requests at once (`StepLayout.select` → `Selection`, with `Selection.reads()`
 planning one read per run of adjacent requests: `RunRead`). It depends on torch alone and knows
 no engine.
@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from tokenspan.axis import token_axis
 from tokenspan.errors import LayoutError, SpanError, SpanShapeError
 from tokenspan.layout import StepLayout
-from tokenspan.lease import READ_MODES, Lease, ReadMode, lease
+from tokenspan.lease import READ_MODES, Lease, Lent, ReadMode, lease, lend
 from tokenspan.narrowing import narrow, widen
 from tokenspan.runs import RunRead
 from tokenspan.selection import Selection
@@ -29,6 +29,7 @@ __all__ = [
     "READ_MODES",
     "LayoutError",
     "Lease",
+    "Lent",
     "ReadMode",
     "RunRead",
     "Selection",
@@ -38,6 +39,7 @@ __all__ = [
     "StepLayout",
     "__version__",
     "lease",
+    "lend",
     "narrow",
     "token_axis",
     "widen",

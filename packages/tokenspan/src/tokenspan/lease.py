@@ -1,4 +1,10 @@
-"""`lease`: a request's rows handed out safely, with edits written back only when there are any."""
+"""`lease` and `lend`: values handed to user code safely, with edits written back only when there
+are any.
+
+`lease` lends a request's rows of a slab and writes changes back itself (`Lease.commit`); `lend`
+lends one tensor the caller already holds (say, a value decoded from the rows) and says what to
+write back (`Lent.written`). Both judge in-place edits by the tensor's version counter.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
-from tokenspan.narrowing import apply_writes, leaf_axis, narrow, plan_writes
+from tokenspan.errors import SpanShapeError
+from tokenspan.narrowing import apply_writes, leaf_axis, narrow, plan_writes, private_copy
 from tokenspan.tree import Path, iter_leaves
 
 if TYPE_CHECKING:
@@ -25,6 +32,24 @@ def _version(tensor: torch.Tensor) -> int | None:
         return tensor._version
     except RuntimeError:
         return None
+
+
+def _edited_in_place(tensor: torch.Tensor, version: int | None) -> bool:
+    """Whether `tensor`, whose counter read `version` when it was lent, was edited in place since.
+
+    A tensor without a counter (`version` is `None`: made under `torch.inference_mode()`) may
+    have been edited, and is counted as edited.
+    """
+    return version is None or _version(tensor) != version
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in READ_MODES:
+        raise ValueError(f"read mode must be one of {READ_MODES}, got {mode!r}")
+
+
+# What a lease remembers of a per-token leaf it lent: the leaf and its version counter then.
+_Lent = tuple[torch.Tensor, int | None]
 
 
 class Lease:
@@ -52,8 +77,7 @@ class Lease:
         mode: ReadMode = "lease",
         axis: int | None = None,
     ) -> None:
-        if mode not in READ_MODES:
-            raise ValueError(f"read mode must be one of {READ_MODES}, got {mode!r}")
+        _check_mode(mode)
         self._whole = whole
         self._span = span
         self._layout = layout
@@ -64,8 +88,9 @@ class Lease:
 
     def _record(self) -> None:
         """Remember the current value's per-token leaves and their versions, by path."""
+        self._originals: _Lent | dict[Path, _Lent]
         if isinstance(self.value, torch.Tensor):
-            self._originals: Any = (self.value, _version(self.value))
+            self._originals = (self.value, _version(self.value))
             return
         self._originals = {
             path: (leaf, _version(leaf))
@@ -80,10 +105,7 @@ class Lease:
             original = self._originals.get(path)
         if original is None or leaf is not original[0]:
             return True
-        if self._mode != "lease":
-            return False
-        version = original[1]
-        return version is None or _version(leaf) != version
+        return self._mode == "lease" and _edited_in_place(leaf, original[1])
 
     @property
     def mode(self) -> ReadMode:
@@ -135,3 +157,55 @@ def lease(
 ) -> Lease:
     """Lend `span`'s rows of `whole` to user code; see `Lease` for the three read modes."""
     return Lease(whole, span, layout, mode=mode, axis=axis)
+
+
+class Lent:
+    """One tensor lent to user code, and what to write back once the code has run.
+
+    Made by `lend`. `value` is what the code gets: the tensor itself in `"view"` mode, a private
+    copy (with a working version counter, even under `torch.inference_mode()`) in `"copy"` and
+    `"lease"` mode. After the code ran and returned `result`, `written(result)` says what the
+    caller should write back, if anything.
+    """
+
+    __slots__ = ("_counter", "mode", "value")
+
+    def __init__(self, tensor: torch.Tensor, mode: ReadMode = "lease") -> None:
+        _check_mode(mode)
+        self.mode: ReadMode = mode
+        self.value = tensor if mode == "view" else private_copy(tensor)
+        self._counter = _version(self.value) if mode == "lease" else None
+
+    def written(self, result: object) -> torch.Tensor | None:
+        """What to write back after user code given `value` returned `result`, or `None`.
+
+        - a replacement: `result` when it is neither `None` nor `value` itself, in every mode;
+        - in `"lease"` mode, `value` itself when it was edited in place (its version counter
+          moved, or it has none);
+        - otherwise `None`: in `"copy"` mode in-place edits are ignored, and in `"view"` mode
+          they already landed in the lent tensor.
+
+        A replacement that is not a tensor raises `SpanShapeError`.
+        """
+        if result is not None and result is not self.value:
+            if not isinstance(result, torch.Tensor):
+                raise SpanShapeError(
+                    f"expected a tensor of shape {tuple(self.value.shape)} or None back, got "
+                    f"{type(result).__name__}"
+                )
+            return result
+        if self.mode == "lease" and _edited_in_place(self.value, self._counter):
+            return self.value
+        return None
+
+    def __repr__(self) -> str:
+        return f"Lent({self.mode}, {tuple(self.value.shape)})"
+
+
+def lend(tensor: torch.Tensor, mode: ReadMode = "lease") -> Lent:
+    """Lend `tensor` to user code in a read mode; `Lent.written` says what to write back.
+
+    `"view"` lends `tensor` as is (in-place edits land in it at once); `"copy"` and `"lease"`
+    lend a private copy, whose in-place edits `written` reports in `"lease"` mode only.
+    """
+    return Lent(tensor, mode)
