@@ -19,7 +19,7 @@ from .errors import (
     UnsupportedLayerError,
     WholeShapeError,
 )
-from .fragments import Back, Fragments
+from .fragments import Back, Entry, Fragments
 from .group import AllGather, AllReduce, Group
 from .rules import Item, Partial, Replicated, Rule
 from .sharding import Part, Shard, Stacked
@@ -33,6 +33,7 @@ __all__ = [
     "AllGather",
     "AllReduce",
     "Back",
+    "Entry",
     "FragmentError",
     "Fragments",
     "Group",

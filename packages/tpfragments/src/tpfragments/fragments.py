@@ -10,6 +10,7 @@ gather lives here, not in the readers.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -17,7 +18,14 @@ from .errors import UnknownLocationError, WholeShapeError
 from .group import Group
 from .rules import Rule
 
-__all__ = ["Back", "Fragments"]
+__all__ = ["Back", "Entry", "Fragments"]
+
+
+class Entry(NamedTuple):
+    """What is registered for one location: the value's `rule` over the ranks of `group`."""
+
+    rule: Rule
+    group: Group
 
 
 class Back:
@@ -99,7 +107,7 @@ class Fragments:
     """
 
     def __init__(self, entries: Mapping[str, tuple[Rule, Group]] | None = None) -> None:
-        self._entries: dict[str, tuple[Rule, Group]] = {}
+        self._entries: dict[str, Entry] = {}
         for location, (rule, group) in (entries or {}).items():
             self.add(location, rule, group)
 
@@ -114,12 +122,12 @@ class Fragments:
         if not isinstance(group, Group):
             raise TypeError(f"{location}: expected a Group, got {type(group).__name__}")
         known = self._entries.get(location)
-        if known is not None and (known[0] != rule or known[1] is not group):
+        if known is not None and (known.rule != rule or known.group is not group):
             raise ValueError(
-                f"{location}: already registered as {known[0]!r} over {known[1]!r}; "
+                f"{location}: already registered as {known.rule!r} over {known.group!r}; "
                 f"refusing {rule!r} over {group!r}"
             )
-        self._entries[location] = (rule, group)
+        self._entries[location] = Entry(rule, group)
 
     def __contains__(self, location: object) -> bool:
         return location in self._entries
@@ -133,7 +141,7 @@ class Fragments:
     def __repr__(self) -> str:
         return f"Fragments({len(self)} locations)"
 
-    def entry(self, location: str) -> tuple[Rule, Group]:
+    def entry(self, location: str) -> Entry:
         """The `(rule, group)` registered for `location`; `UnknownLocationError` if none."""
         try:
             return self._entries[location]
@@ -142,11 +150,11 @@ class Fragments:
 
     def rule(self, location: str) -> Rule:
         """The rule registered for `location`."""
-        return self.entry(location)[0]
+        return self.entry(location).rule
 
     def group(self, location: str) -> Group:
         """The group registered for `location`."""
-        return self.entry(location)[1]
+        return self.entry(location).group
 
     def collectives_per_visit(self, location: str) -> int:
         """How many collectives a visit to `location` runs: 0 or 1, the same on every rank."""

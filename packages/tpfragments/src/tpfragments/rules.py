@@ -135,7 +135,7 @@ class Rule(ABC):
         return ()
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self._key() == other._key()  # type: ignore[attr-defined]
+        return type(self) is type(other) and self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._key()))
@@ -271,16 +271,13 @@ class Item(Rule):
             raise ValueError("Item(index, Item(...)) is not supported; name the tensor directly")
         self.index = index
         self.rule = rule
+        self.collective = rule.collective
 
     def __repr__(self) -> str:
         return f"Item({self.index}, {self.rule!r})"
 
     def _key(self) -> tuple[object, ...]:
         return (self.index, self.rule)
-
-    @property  # type: ignore[override]
-    def collective(self) -> str | None:
-        return self.rule.collective
 
     def collectives(self, size: int) -> int:
         return self.rule.collectives(size)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -95,6 +96,21 @@ def _lay_out(part: Part, size: int) -> _PartLayout:
     return _PartLayout(part.units, part.padded // part.units, size // part.units)
 
 
+class _Segment(NamedTuple):
+    """Entries `start:start + length` of rank `holder`'s piece: one segment of the whole."""
+
+    holder: int
+    start: int
+    length: int
+
+
+class _Slot(NamedTuple):
+    """`length` entries of a rank's piece: the whole's from `start`, or padding if `start` is -1."""
+
+    start: int
+    length: int
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Where every entry of the sharded dimension lives, for one group size.
@@ -107,13 +123,22 @@ class _Plan:
 
     piece_length: int
     whole_length: int
-    gather: tuple[tuple[int, int, int], ...]
-    split: tuple[tuple[tuple[int, int], ...], ...]
+    gather: tuple[_Segment, ...]
+    split: tuple[tuple[_Slot, ...], ...]
+
+
+class _Resolved(NamedTuple):
+    """A value's shape checked against a rule for one group size: the sharded `axis`, the
+    `plan`, and the shape of the other side (the whole for a piece, a piece for a whole)."""
+
+    axis: int
+    plan: _Plan
+    shape: torch.Size
 
 
 def _plan(parts: Sequence[Part], size: int) -> _Plan:
-    gather: list[tuple[int, int, int]] = []
-    split: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+    gather: list[_Segment] = []
+    split: list[list[_Slot]] = [[] for _ in range(size)]
     piece_offset = whole_offset = 0
     for part in parts:
         layout = _lay_out(part, size)
@@ -121,14 +146,14 @@ def _plan(parts: Sequence[Part], size: int) -> _Plan:
             # Only the real entries: the tail chunk(s) may hold padding, which the whole drops.
             length = min(layout.chunk, part.size - chunk * layout.chunk)
             if length > 0:
-                gather.append((chunk * layout.replicas, piece_offset, length))
+                gather.append(_Segment(chunk * layout.replicas, piece_offset, length))
         for rank in range(size):
             start = (rank // layout.replicas) * layout.chunk
             length = max(0, min(layout.chunk, part.size - start))
             if length:
-                split[rank].append((whole_offset + start, length))
+                split[rank].append(_Slot(whole_offset + start, length))
             if length < layout.chunk:
-                split[rank].append((-1, layout.chunk - length))
+                split[rank].append(_Slot(-1, layout.chunk - length))
         piece_offset += layout.chunk
         whole_offset += part.size
     return _Plan(piece_offset, whole_offset, tuple(gather), tuple(map(tuple, split)))
@@ -150,21 +175,23 @@ class _Gathered(Rule):
 
     @abstractmethod
     def _resolve_piece(self, piece_shape: Shape, size: int, location: str | None
-                       ) -> tuple[int, _Plan, torch.Size]:
-        """(axis, plan, whole shape) for a piece of `piece_shape`; raises if it does not fit."""
+                       ) -> _Resolved:
+        """The axis, plan and whole shape for a piece of `piece_shape`; raises if it does not
+        fit."""
 
     @abstractmethod
     def _resolve_whole(self, whole_shape: Shape, size: int, location: str | None
-                       ) -> tuple[int, _Plan, torch.Size]:
-        """(axis, plan, piece shape) for a whole of `whole_shape`; raises if it does not fit."""
+                       ) -> _Resolved:
+        """The axis, plan and piece shape for a whole of `whole_shape`; raises if it does not
+        fit."""
 
     def whole_shape(self, piece_shape: Shape, size: int, *, location: str | None = None
                     ) -> torch.Size:
-        return self._resolve_piece(piece_shape, size, location)[2]
+        return self._resolve_piece(piece_shape, size, location).shape
 
     def piece_shape(self, whole_shape: Shape, size: int, *, location: str | None = None
                     ) -> torch.Size:
-        return self._resolve_whole(whole_shape, size, location)[2]
+        return self._resolve_whole(whole_shape, size, location).shape
 
     def _gather(self, piece: Tensor, group: Group, location: str | None
                 ) -> tuple[Tensor, Tensor | None]:
@@ -253,7 +280,7 @@ class Stacked(_Gathered):
         return plan
 
     def _resolve_piece(self, piece_shape: Shape, size: int, location: str | None
-                       ) -> tuple[int, _Plan, torch.Size]:
+                       ) -> _Resolved:
         axis = _axis(self.dim, len(piece_shape), rule=self, location=location, role="piece",
                      shape=piece_shape)
         plan = self._plan(size, location, {"piece": piece_shape})
@@ -264,10 +291,10 @@ class Stacked(_Gathered):
                 f"each rank holds {per_part} = {plan.piece_length}",
                 location=location, rule=self, shapes={"piece": piece_shape},
             )
-        return axis, plan, _with(piece_shape, axis, plan.whole_length)
+        return _Resolved(axis, plan, _with(piece_shape, axis, plan.whole_length))
 
     def _resolve_whole(self, whole_shape: Shape, size: int, location: str | None
-                       ) -> tuple[int, _Plan, torch.Size]:
+                       ) -> _Resolved:
         axis = _axis(self.dim, len(whole_shape), rule=self, location=location, role="whole",
                      shape=whole_shape)
         total = sum(part.size for part in self.parts)
@@ -278,7 +305,7 @@ class Stacked(_Gathered):
                 location=location, rule=self, shapes={"whole": whole_shape},
             )
         plan = self._plan(size, location, {"whole": whole_shape})
-        return axis, plan, _with(whole_shape, axis, plan.piece_length)
+        return _Resolved(axis, plan, _with(whole_shape, axis, plan.piece_length))
 
 
 class Shard(_Gathered):
@@ -353,7 +380,7 @@ class Shard(_Gathered):
                            shapes=error.shapes)
 
     def _resolve_piece(self, piece_shape: Shape, size: int, location: str | None
-                       ) -> tuple[int, _Plan, torch.Size]:
+                       ) -> _Resolved:
         length = self._whole_length(piece_shape, size, location)
         stacked = self._stacked(length, location, {"piece": piece_shape})
         try:
@@ -362,7 +389,7 @@ class Shard(_Gathered):
             raise self._own(error) from None
 
     def _resolve_whole(self, whole_shape: Shape, size: int, location: str | None
-                       ) -> tuple[int, _Plan, torch.Size]:
+                       ) -> _Resolved:
         axis = _axis(self.dim, len(whole_shape), rule=self, location=location, role="whole",
                      shape=whole_shape)
         stacked = self._stacked(whole_shape[axis], location, {"whole": whole_shape})

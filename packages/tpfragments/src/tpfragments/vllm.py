@@ -42,7 +42,9 @@ Layouts (vLLM 0.32.0, `model_executor/layers/linear.py`, `vocab_parallel_embeddi
 
 from __future__ import annotations
 
+import importlib
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .errors import UnsupportedLayerError
@@ -51,8 +53,21 @@ from .group import Group
 from .rules import Item, Partial, Replicated, Rule
 from .sharding import Part, Shard, Stacked
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # vLLM's classes for the checker only: importing this module imports no vLLM
     from torch import nn
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        LinearBase,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
 
 __all__ = ["VLLM_VERSION", "fragments_for", "rules_for", "tp_group"]
 
@@ -136,7 +151,7 @@ def fragments_for(model: nn.Module, group: Group | None = None, *,
     modules = dict(model.named_modules())
     parallel = _parallel_classes()
     for path, module in modules.items():
-        if not isinstance(module, parallel):
+        if not _is_instance(module, parallel):
             continue
         try:
             kv_heads = num_kv_heads
@@ -168,23 +183,27 @@ def fragments_for(model: nn.Module, group: Group | None = None, *,
 _NOT_HOOKED = frozenset({"weight", "logits"})
 
 
-def _tuple_if_biased(layer: nn.Module, rule: Rule) -> Rule:
+# How the rules of one layer class are derived: `derive(layer, num_kv_heads=, tp_size=)`.
+_Derive = Callable[..., dict[str, Rule]]
+
+
+def _tuple_if_biased(layer: LinearBase, rule: Rule) -> Rule:
     return Item(0, rule) if getattr(layer, "return_bias", True) else rule
 
 
-def _column(layer: nn.Module, **_: object) -> dict[str, Rule]:
+def _column(layer: ColumnParallelLinear, **_: object) -> dict[str, Rule]:
     sharded = layer.tp_size > 1 and not layer.gather_output
     output: Rule = Shard(-1) if sharded else Replicated()
     return {"input": Replicated(), "output": _tuple_if_biased(layer, output)}
 
 
-def _merged_column(layer: nn.Module, **_: object) -> dict[str, Rule]:
+def _merged_column(layer: MergedColumnParallelLinear, **_: object) -> dict[str, Rule]:
     sharded = layer.tp_size > 1 and not layer.gather_output
     output: Rule = Stacked(list(layer.output_sizes), -1) if sharded else Replicated()
     return {"input": Replicated(), "output": _tuple_if_biased(layer, output)}
 
 
-def _qkv(layer: nn.Module, **_: object) -> dict[str, Rule]:
+def _qkv(layer: QKVParallelLinear, **_: object) -> dict[str, Rule]:
     if layer.tp_size == 1:
         return {"input": Replicated(), "output": _tuple_if_biased(layer, Replicated())}
     heads, kv_heads = layer.total_num_heads, layer.total_num_kv_heads
@@ -196,14 +215,14 @@ def _qkv(layer: nn.Module, **_: object) -> dict[str, Rule]:
     return {"input": Replicated(), "output": _tuple_if_biased(layer, output)}
 
 
-def _row(layer: nn.Module, **_: object) -> dict[str, Rule]:
+def _row(layer: RowParallelLinear, **_: object) -> dict[str, Rule]:
     sharded = layer.tp_size > 1
     input_rule: Rule = Shard(-1) if sharded and layer.input_is_parallel else Replicated()
     output: Rule = Partial() if sharded and not layer.reduce_results else Replicated()
     return {"input": input_rule, "output": _tuple_if_biased(layer, output)}
 
 
-def _vocabulary(layer: nn.Module, dim: int) -> Stacked:
+def _vocabulary(layer: VocabParallelEmbedding, dim: int) -> Stacked:
     base = layer.org_vocab_size
     added = layer.num_added_embeddings
     added_padded = layer.num_embeddings_padded - layer.org_vocab_size_padded
@@ -213,7 +232,7 @@ def _vocabulary(layer: nn.Module, dim: int) -> Stacked:
     ], dim)
 
 
-def _embedding(layer: nn.Module, **_: object) -> dict[str, Rule]:
+def _embedding(layer: VocabParallelEmbedding, **_: object) -> dict[str, Rule]:
     # vLLM 0.26's embedding has no `reduce_results`: it always all-reduces (a whole output).
     partial = layer.tp_size > 1 and not getattr(layer, "reduce_results", True)
     return {
@@ -223,11 +242,11 @@ def _embedding(layer: nn.Module, **_: object) -> dict[str, Rule]:
     }
 
 
-def _lm_head(layer: nn.Module, **_: object) -> dict[str, Rule]:
+def _lm_head(layer: ParallelLMHead, **_: object) -> dict[str, Rule]:
     return {"weight": _vocabulary(layer, 0), "logits": _vocabulary(layer, -1)}
 
 
-def _moe(layer: nn.Module, **_: object) -> dict[str, Rule]:
+def _moe(layer: MoERunner, **_: object) -> dict[str, Rule]:
     config = layer.moe_config
     if config.is_sequence_parallel or config.dp_size > 1 or config.pcp_size > 1:
         raise UnsupportedLayerError(
@@ -243,7 +262,7 @@ def _moe(layer: nn.Module, **_: object) -> dict[str, Rule]:
     }
 
 
-def _attention(layer: nn.Module, *, num_kv_heads: int | None = None,
+def _attention(layer: Attention, *, num_kv_heads: int | None = None,
                tp_size: int | None = None, **_: object) -> dict[str, Rule]:
     if tp_size is None:
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -289,7 +308,7 @@ def _sibling_kv_heads(modules: dict[str, nn.Module], path: str) -> int | None:
     return None
 
 
-def _kinds() -> list[tuple[object, object]]:
+def _kinds() -> list[tuple[Callable[[object], bool], _Derive]]:
     """(predicate, derive) for each supported layer class, most specific first.
 
     Linear and MoE classes must match exactly: a model-specific subclass may lay out its
@@ -307,10 +326,10 @@ def _kinds() -> list[tuple[object, object]]:
         VocabParallelEmbedding,
     )
 
-    def exactly(cls: type) -> object:
+    def exactly(cls: type) -> Callable[[object], bool]:
         return lambda layer: type(layer) is cls
 
-    kinds: list[tuple[object, object]] = [
+    kinds: list[tuple[Callable[[object], bool], _Derive]] = [
         (exactly(QKVParallelLinear), _qkv),
         (exactly(MergedColumnParallelLinear), _merged_column),
         (exactly(ColumnParallelLinear), _column),
@@ -331,6 +350,12 @@ def _moe_runner_class() -> type | None:
     except ImportError:  # a vLLM without MoE runners
         return None
     return MoERunner
+
+
+def _is_instance(module: nn.Module, classes: tuple[type, ...]) -> bool:
+    """`isinstance`, without narrowing `module` to what the classes share (`object`: vLLM's
+    attention base class is not a module class)."""
+    return isinstance(module, classes)
 
 
 def _is_attention(layer: object) -> bool:
@@ -356,12 +381,13 @@ def _parallel_classes() -> tuple[type, ...]:
     except ImportError:
         pass
     # vLLM 0.26 exports `FusedMoE` as a factory function returning a `MoERunner` (caught
-    # above); only a class of that name can be an older, unchecked MoE layer.
+    # above) and 0.32 not at all; only a class of that name can be an older, unchecked MoE
+    # layer. Looked up by name, since the vLLM the checker reads may not have it.
     try:
-        from vllm.model_executor.layers.fused_moe import FusedMoE
-
-        if isinstance(FusedMoE, type):
-            classes.append(FusedMoE)
+        fused_moe = importlib.import_module("vllm.model_executor.layers.fused_moe")
     except ImportError:
-        pass
+        return tuple(classes)
+    older = getattr(fused_moe, "FusedMoE", None)
+    if isinstance(older, type):
+        classes.append(older)
     return tuple(classes)
