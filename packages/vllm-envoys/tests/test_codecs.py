@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from vllm_envoys import HookArgs, FusedLayer, ReadOnly, Step, Unavailable, ValueShapeError
+from vllm_envoys import FusedLayer, HookArgs, ReadOnly, Step, Unavailable, ValueShapeError
 from vllm_envoys.families.gpt2 import Gpt2Layer
 
 
@@ -45,7 +45,8 @@ def fused() -> FusedLayer:
 
 
 def qkv(tokens: int) -> HookArgs:
-    return HookArgs((torch.randn(tokens, 128), torch.randn(tokens, 64), torch.randn(tokens, 64)), {})
+    return HookArgs((torch.randn(tokens, 128), torch.randn(tokens, 64), torch.randn(tokens, 64)),
+                    {})
 
 
 def test_heads_are_split_by_the_modules_head_size(fused: FusedLayer) -> None:
@@ -75,7 +76,8 @@ def test_views_share_the_engine_rows_where_the_value_is_not_computed(fused) -> N
         assert torch.equal(value.read(raw), view)
     hidden, residual = torch.randn(3, 128), torch.randn(3, 128)
     assert fused.layer_input.view(HookArgs((None, hidden, residual), {})) is None  # a sum
-    assert fused.layer_input.view(HookArgs((None, hidden, None), {})).data_ptr() == hidden.data_ptr()
+    view = fused.layer_input.view(HookArgs((None, hidden, None), {}))
+    assert view is not None and view.data_ptr() == hidden.data_ptr()
     assert attention.attention_probabilities.view(raw, Step(0, 3, 3)) is None  # recomputed
 
 

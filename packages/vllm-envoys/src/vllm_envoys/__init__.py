@@ -40,8 +40,8 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
 __all__ = [
-    "Arguments", "Attention", "HookArgs", "Codec", "EProperty", "EnvoyError", "Family",
-    "FusedLayer", "GatedMlp", "Heads", "Host", "Layer", "Model", "Moe", "Output", "PlainMlp",
+    "Arguments", "Attention", "Codec", "EProperty", "EnvoyError", "Family", "FusedLayer",
+    "GatedMlp", "Heads", "HookArgs", "Host", "Layer", "Model", "Moe", "Output", "PlainMlp",
     "ReadOnly", "Rows", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable",
     "UnknownFamily", "UnknownValue", "Value", "ValueShapeError", "__version__", "standardize",
     "unavailable",

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_envoys.node import Node
+
 
 class Codec:
     """Base class: `decode(piece, module, host)` reads, `encode(piece, module, value)` writes back.
@@ -28,17 +30,17 @@ class Codec:
     #: (a pattern) leave this False.
     rowwise = False
 
-    def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:
+    def decode(self, piece: Any, module: nn.Module, host: Node | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def encode(self, piece: Any, module: nn.Module, value: torch.Tensor) -> Any:
         raise NotImplementedError
 
-    def shape(self, piece: Any, module: nn.Module, host: Any = None) -> tuple[int, ...]:
+    def shape(self, piece: Any, module: nn.Module, host: Node | None = None) -> tuple[int, ...]:
         """The shape `decode` gives, without copying anything."""
         raise NotImplementedError
 
-    def view(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+    def view(self, piece: Any, module: nn.Module, host: Node | None = None) -> torch.Tensor | None:
         """The value as a view of the raw rows (in-place edits land in the engine at once), or
         `None` when it is computed from them and cannot be one (a sum, a softmax, a pattern).
 
@@ -61,16 +63,19 @@ class Rows(Codec):
         self.writable = writable
         self.batched = batched
 
-    def decode(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor:
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+              ) -> torch.Tensor:
         return piece.clone() if self.batched else piece.clone().unsqueeze(0)
 
     def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor) -> torch.Tensor:
         return (value if self.batched else value[0]).to(piece.dtype)
 
-    def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
+    def shape(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+             ) -> tuple[int, ...]:
         return tuple(piece.shape) if self.batched else (1, *piece.shape)
 
-    def view(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+    def view(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+            ) -> torch.Tensor | None:
         if not self.writable:
             return None
         return piece if self.batched else piece.unsqueeze(0)
@@ -93,7 +98,7 @@ class Stream(Codec):
         hidden, residual = piece
         return hidden, residual
 
-    def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:
+    def decode(self, piece: Any, module: nn.Module, host: Node | None = None) -> torch.Tensor:
         hidden, residual = self._halves(piece)
         stream = hidden.clone() if residual is None else hidden + residual
         return stream.unsqueeze(0)
@@ -105,10 +110,10 @@ class Stream(Codec):
             return new_hidden
         return new_hidden, None if residual is None else torch.zeros_like(residual)
 
-    def shape(self, piece: Any, module: nn.Module, host: Any = None) -> tuple[int, ...]:
+    def shape(self, piece: Any, module: nn.Module, host: Node | None = None) -> tuple[int, ...]:
         return (1, *self._halves(piece)[0].shape)
 
-    def view(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+    def view(self, piece: Any, module: nn.Module, host: Node | None = None) -> torch.Tensor | None:
         hidden, residual = self._halves(piece)
         return hidden.unsqueeze(0) if residual is None else None  # two halves sum to a copy
 
@@ -133,7 +138,8 @@ class Heads(Codec):
         tokens = piece.shape[0]
         return piece.reshape(tokens, -1, size)
 
-    def decode(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor:
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+              ) -> torch.Tensor:
         heads = self._split(piece, module)
         heads = heads.transpose(0, 1) if self.heads_first else heads
         return heads.unsqueeze(0).clone(memory_format=torch.contiguous_format)
@@ -142,11 +148,13 @@ class Heads(Codec):
         heads = value[0].transpose(0, 1) if self.heads_first else value[0]
         return heads.reshape(piece.shape).to(piece.dtype)
 
-    def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
+    def shape(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+             ) -> tuple[int, ...]:
         tokens, heads, size = self._split(piece, module).shape
         return (1, heads, tokens, size) if self.heads_first else (1, tokens, heads, size)
 
-    def view(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor | None:
+    def view(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+            ) -> torch.Tensor | None:
         try:
             heads = piece.view(piece.shape[0], -1, self.head_dim(module))
         except RuntimeError:  # rows laid out so that no view splits them into heads
@@ -162,5 +170,6 @@ class Probabilities(Rows):
     def __init__(self) -> None:
         super().__init__(writable=False)
 
-    def decode(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor:
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+              ) -> torch.Tensor:
         return piece.float().softmax(-1).to(piece.dtype).unsqueeze(0)

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, overload
 
 import torch
+from torch import nn
 
 from vllm_envoys.codecs import Codec
 from vllm_envoys.errors import ReadOnly, Unavailable, ValueShapeError
 from vllm_envoys.layouts import Layout
+from vllm_envoys.node import Node
 from vllm_envoys.sites import Site
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from vllm_envoys.hosts import Host
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ class Step:
         return self.first_position == 0 and self.tokens == self.prompt_length
 
 
-Reason = str | Callable[["Host", Step | None], str | None] | None
+Reason = str | Callable[[Node, Step | None], str | None] | None
 
 
 class EProperty:
@@ -53,7 +50,8 @@ class EProperty:
       `step=None` only reasons that hold for every step are reported (as `support()` does);
       `when` names the condition of such a value for the docs' table (e.g. "prefill").
 
-    A value declared with `site=None` is never available (`unavailable("reason")`).
+    A value declared with `site=None` or `codec=None` is never available, and must say why with
+    a fixed reason (`unavailable("reason")` declares one).
     """
 
     def __init__(
@@ -62,10 +60,15 @@ class EProperty:
         codec: Codec | None,
         layout: Layout,
         description: str,
-        module: str | Callable[[Host], str] = "",
+        module: str | Callable[[Node], str] = "",
         unavailable: Reason = None,
         when: str = "",
     ) -> None:
+        if (site is None or codec is None) and not isinstance(unavailable, str):
+            raise TypeError(
+                f"a value without a site or a codec ({description!r}) is never available: give "
+                "the reason as unavailable='...' (or declare it with vllm_envoys.unavailable)"
+            )
         self.site = site
         self.codec = codec
         self.layout = layout
@@ -78,7 +81,13 @@ class EProperty:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, host: Host | None, owner: type) -> Any:
+    @overload
+    def __get__(self, host: None, owner: type) -> EProperty: ...
+
+    @overload
+    def __get__(self, host: Node, owner: type) -> Value: ...
+
+    def __get__(self, host: Node | None, owner: type) -> EProperty | Value:
         if host is None:
             return self
         return Value(host, self)
@@ -88,7 +97,7 @@ class EProperty:
         """Whether writes are accepted (derived values such as patterns are read-only)."""
         return self.codec is not None and self.codec.writable
 
-    def reason(self, host: Host, step: Step | None = None) -> str | None:
+    def reason(self, host: Node, step: Step | None = None) -> str | None:
         """Why this value cannot be served on `host` (at `step`), or `None` if it can."""
         if callable(self.unavailable):
             return self.unavailable(host, step)
@@ -108,7 +117,7 @@ class Value:
 
     __slots__ = ("eproperty", "host")
 
-    def __init__(self, host: Host, eproperty: EProperty) -> None:
+    def __init__(self, host: Node, eproperty: EProperty) -> None:
         self.host = host
         self.eproperty = eproperty
 
@@ -127,41 +136,45 @@ class Value:
     @property
     def side(self) -> str:
         """`"input"` (hook before the call) or `"output"` (hook after it)."""
-        self._check()
-        return self.eproperty.site.side
+        site, _ = self._served()
+        return site.side
 
     def reason(self, step: Step | None = None) -> str | None:
         """Why the value is unavailable (at `step`), or `None`."""
         return self.eproperty.reason(self.host, step)
 
-    def _check(self, step: Step | None = None) -> None:
+    def _served(self, step: Step | None = None) -> tuple[Site, Codec]:
+        """The value's site and codec; `Unavailable` with the reason if it cannot be served."""
         reason = self.reason(step)
+        site, codec = self.eproperty.site, self.eproperty.codec
         if reason is not None:
             raise Unavailable(self.location, reason)
+        if site is None or codec is None:  # refused by EProperty unless a reason is fixed
+            raise Unavailable(self.location, "it is declared without a site or a codec")
+        return site, codec
 
     def read(self, raw: Any, step: Step | None = None) -> torch.Tensor:
         """The standard value from one request's raw rows (a private copy)."""
-        self._check(step)
+        site, codec = self._served(step)
         module = self.module
-        return self.eproperty.codec.decode(self.eproperty.site.get(raw, module), module, self.host)
+        return codec.decode(site.get(raw, module), module, self.host)
 
     def view(self, raw: Any, step: Step | None = None) -> torch.Tensor | None:
         """The value as a view of one request's raw rows, or `None` if it can only be a copy.
 
         In-place edits of a view reach the engine at once; a view may be overwritten by the
         engine's later in-place kernels, so code that keeps it should `read` instead."""
-        self._check(step)
+        site, codec = self._served(step)
         module = self.module
-        return self.eproperty.codec.view(self.eproperty.site.get(raw, module), module, self.host)
+        return codec.view(site.get(raw, module), module, self.host)
 
     def write(self, raw: Any, value: torch.Tensor, step: Step | None = None) -> Any:
         """New raw rows carrying `value`; refused, before anything changes, if it does not fit."""
-        self._check(step)
-        if not self.eproperty.writable:
+        site, codec = self._served(step)
+        if not codec.writable:
             raise ReadOnly(f"{self.location} is derived and read-only; edit the values it is "
                            "computed from instead")
         module = self.module
-        site, codec = self.eproperty.site, self.eproperty.codec
         piece = site.get(raw, module)
         expected = codec.shape(piece, module, self.host)
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from vllm_envoys.hosts import FusedLayer, Host, Model
+from vllm_envoys.hosts import FusedLayer, Layer, Model
 
 
 class Family:
@@ -23,7 +23,7 @@ class Family:
     layers: ClassVar[str] = "model.layers"
     norm: ClassVar[str] = "model.norm"
     lm_head: ClassVar[str] = "lm_head"
-    Layer: ClassVar[type[Host]] = FusedLayer
+    Layer: ClassVar[type[Layer]] = FusedLayer
     Model: ClassVar[type[Model]] = Model
     # Whether the family's MLPs (some or all) are mixtures of experts; for the docs' table only:
     # at run time each layer picks its host from its MLP module.

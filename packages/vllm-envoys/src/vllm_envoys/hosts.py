@@ -4,15 +4,15 @@ each one carries. Families subclass these and override only what differs."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from torch import nn
 
 from vllm_envoys import layouts
 from vllm_envoys.codecs import Heads, Probabilities, Rows, Stream
 from vllm_envoys.eproperty import EProperty, Step, Value, unavailable
+from vllm_envoys.node import Node, module_from, module_int
 from vllm_envoys.pattern import Pattern
-from vllm_envoys.routing import Routing
+from vllm_envoys.routing import UNSUPPORTED_ROUTER, Routing, router_of, unsupported
 from vllm_envoys.sites import Arguments, Output
 
 WHOLE_PROMPT_ONLY = (
@@ -30,16 +30,16 @@ GATED = (
 )
 
 
-def _whole_prompt(host: Host, step: Step | None) -> str | None:
+def _whole_prompt(host: Node, step: Step | None) -> str | None:
     return None if step is None or step.whole_prompt else WHOLE_PROMPT_ONLY
 
 
 def _head_size(attention: nn.Module) -> int:
-    return attention.head_size
+    return module_int(attention, "head_size")
 
 
 def _value_head_size(attention: nn.Module) -> int:
-    return getattr(attention, "head_size_v", attention.head_size)
+    return module_int(attention, "head_size_v", _head_size(attention))
 
 
 class Host:
@@ -134,14 +134,14 @@ class GatedMlp(Host):
                           "the normed stream entering the MLP")
     mlp_neurons = EProperty(Arguments(("input_", 0)), Rows(), layouts.NEURONS,
                             "the input of the down projection: act(gate) * up",
-                            module=lambda host: host.down_name)
+                            module=module_from("down_name"))
     mlp_activation = unavailable(GATED, layouts.NEURONS, "the activation of a plain MLP")
     mlp_output = EProperty(Output(), Rows(), layouts.RESIDUAL, "the MLP's contribution")
 
 
-def _routing_support(host: Host, step: Step | None) -> str | None:
-    from vllm_envoys.routing import UNSUPPORTED_ROUTER, router_of, unsupported
-
+def _routing_support(host: Node, step: Step | None) -> str | None:
+    if not isinstance(host, Moe):
+        raise TypeError(f"expert routing is a value of MoE hosts, not of {type(host).__name__}")
     return UNSUPPORTED_ROUTER if unsupported(router_of(host.submodule(host.experts_name))) else None
 
 
@@ -162,15 +162,15 @@ class Moe(Host):
     mlp_output = EProperty(Output(), Rows(), layouts.RESIDUAL, "the MLP's contribution")
     router_logits = EProperty(Output(0), Rows(), layouts.ROUTER_LOGITS,
                               "the router's logits over experts (editable: changes the routing)",
-                              module=lambda host: host.gate_name)
+                              module=module_from("gate_name"))
     expert_weights = EProperty(
         Output(0), Routing("experts", weights=True), layouts.EXPERT_WEIGHTS,
         "each token's chosen experts' weights, recomputed from router_logits (read-only)",
-        module=lambda host: host.gate_name, unavailable=_routing_support, when="top-k router")
+        module=module_from("gate_name"), unavailable=_routing_support, when="top-k router")
     expert_indices = EProperty(
         Output(0), Routing("experts", weights=False), layouts.EXPERT_INDICES,
         "each token's chosen experts, recomputed from router_logits (read-only)",
-        module=lambda host: host.gate_name, unavailable=_routing_support, when="top-k router")
+        module=module_from("gate_name"), unavailable=_routing_support, when="top-k router")
 
 
 class PlainMlp(GatedMlp):
@@ -183,7 +183,7 @@ class PlainMlp(GatedMlp):
 
     mlp_activation = EProperty(Arguments(("input_", 0)), Rows(), layouts.NEURONS,
                                "the activation's output (the down projection's input)",
-                               module=lambda host: host.down_name)
+                               module=module_from("down_name"))
 
 
 class Layer(Host):
@@ -191,7 +191,7 @@ class Layer(Host):
 
     Attention: type[Attention] = Attention
     Mlp: type[Host] = GatedMlp
-    Moe: type[Host] = Moe  # used for MLP modules that have experts (MoE layers may alternate)
+    Moe: type[Moe] = Moe  # used for MLP modules that have experts (MoE layers may alternate)
     attention_name = "self_attn"
     mlp_name = "mlp"
     mid_norm_name = "post_attention_layernorm"
@@ -222,7 +222,7 @@ class FusedLayer(Layer):
         "the residual stream entering the block")
     layer_mid = EProperty(
         Arguments(("x", 0), ("residual", 1)), Stream(), layouts.RESIDUAL,
-        "the residual stream after the attention add", module=lambda host: host.mid_norm_name)
+        "the residual stream after the attention add", module=module_from("mid_norm_name"))
     layer_output = EProperty(
         Output(0, 1), Stream(), layouts.RESIDUAL, "the residual stream leaving the block")
 
@@ -240,7 +240,7 @@ class StreamLayer(Layer):
     layer_mid = EProperty(
         Arguments(("input", 0)), Rows(writable=False), layouts.RESIDUAL,
         "the residual stream after the attention add (read-only here: edit attention_output)",
-        module=lambda host: host.mid_norm_name)
+        module=module_from("mid_norm_name"))
     layer_output = EProperty(Output(), Rows(), layouts.RESIDUAL,
                              "the residual stream leaving the block")
 
@@ -250,7 +250,7 @@ class Model(Host):
 
     token_embeddings = EProperty(
         Output(), Rows(), layouts.RESIDUAL, "token embeddings, before any embedding scale",
-        module=lambda host: host.embed_path)
+        module=module_from("embed_path"))
 
     # One row per sampled position (a request's last row each step, not every token): the
     # runner narrows these with a layout of sampled rows, not the step's token layout.
@@ -261,7 +261,7 @@ class Model(Host):
                                  "softmax of the logits (read-only; edit logits)",
                                  module="logits_processor")
 
-    def __init__(self, module: nn.Module, embed_path: str, layers: list[Any]) -> None:
+    def __init__(self, module: nn.Module, embed_path: str, layers: list[Layer]) -> None:
         super().__init__(module, "")
         self.embed_path = embed_path
         self.layers = layers

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from vllm_envoys.codecs import Codec
+from vllm_envoys.node import Node, module_int
 
 
 def attention_scale(attention: nn.Module) -> float:
     """The softmax scale vLLM's kernel applies (kept on the backend implementation)."""
     impl = getattr(attention, "impl", None)
     scale = getattr(impl, "scale", None)
-    return float(scale if scale is not None else attention.head_size**-0.5)
+    return float(scale if scale is not None else module_int(attention, "head_size") ** -0.5)
 
 
 def attention_softcap(attention: nn.Module) -> float | None:
@@ -33,7 +34,7 @@ def scores_from(query: torch.Tensor, key: torch.Tensor, attention: nn.Module) ->
     Rows are positions `0..T-1` of one request's prompt. Keys are repeated over the query
     heads that share them (grouped-query attention), as the kernel does.
     """
-    head_size = attention.head_size
+    head_size = module_int(attention, "head_size")
     tokens = query.shape[0]
     queries = query.reshape(tokens, -1, head_size).transpose(0, 1).float()
     keys = key.reshape(tokens, -1, head_size).transpose(0, 1).float()
@@ -60,12 +61,13 @@ class Pattern(Codec):
     def __init__(self, probabilities: bool) -> None:
         self.probabilities = probabilities
 
-    def decode(self, piece: Any, module: nn.Module, host: Any = None) -> torch.Tensor:
+    def decode(self, piece: Any, module: nn.Module, host: Node | None = None) -> torch.Tensor:
         query, key = piece
         scores = scores_from(query, key, module)
         return scores.float().softmax(-1).to(scores.dtype) if self.probabilities else scores
 
-    def shape(self, piece: Any, module: nn.Module, host: Any = None) -> tuple[int, ...]:
+    def shape(self, piece: Any, module: nn.Module, host: Node | None = None) -> tuple[int, ...]:
         query, _ = piece
         tokens = query.shape[0]
-        return (1, query.reshape(tokens, -1, module.head_size).shape[1], tokens, tokens)
+        heads = query.reshape(tokens, -1, module_int(module, "head_size")).shape[1]
+        return (1, heads, tokens, tokens)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from vllm_envoys.codecs import Codec
+from vllm_envoys.node import Node
 
 UNSUPPORTED_ROUTER = (
     "this MoE layer routes with grouped top-k, a score-correction bias, a custom routing function "
@@ -56,10 +57,17 @@ class Routing(Codec):
         self.experts_path = experts_path
         self.weights = weights
 
-    def decode(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> torch.Tensor:
-        router = router_of(host.submodule(self.experts_path))
-        weights, indices = route(piece, router)
+    def _router(self, host: Node | None) -> Any:
+        if host is None:
+            raise TypeError("expert routing is read with the router settings of its host's "
+                            "experts: pass the host")
+        return router_of(host.submodule(self.experts_path))
+
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+               ) -> torch.Tensor:
+        weights, indices = route(piece, self._router(host))
         return (weights if self.weights else indices).unsqueeze(0)
 
-    def shape(self, piece: torch.Tensor, module: nn.Module, host: Any = None) -> tuple[int, ...]:
-        return (1, piece.shape[0], router_of(host.submodule(self.experts_path)).top_k)
+    def shape(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+              ) -> tuple[int, ...]:
+        return (1, piece.shape[0], self._router(host).top_k)

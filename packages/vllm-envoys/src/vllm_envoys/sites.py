@@ -9,6 +9,7 @@ and tensors, so `tokenspan` can narrow them to one request's rows before a site 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from functools import cache
 from typing import Any, NamedTuple
 
@@ -18,15 +19,15 @@ from torch import nn
 class HookArgs(NamedTuple):
     """A module call's positional and keyword arguments, as a forward pre-hook sees them."""
 
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 @cache
-def _parameter_index(forward_owner: type, name: str) -> int | None:
-    """The positional index of `name` in `forward_owner.forward` (self excluded), if any."""
+def _parameter_index(forward: Callable[..., Any], name: str) -> int | None:
+    """The positional index of `name` in a module class's `forward` (self excluded), if any."""
     try:
-        parameters = list(inspect.signature(forward_owner.forward).parameters)
+        parameters = list(inspect.signature(forward).parameters)
     except (TypeError, ValueError):
         return None
     if parameters and parameters[0] == "self":
@@ -62,7 +63,7 @@ class Arguments(Site):
     def _locate(self, call: HookArgs, module: nn.Module, name: str, index: int) -> tuple[str, Any]:
         if name in call.kwargs:
             return "kwargs", name
-        found = _parameter_index(type(module), name)
+        found = _parameter_index(type(module).forward, name)
         position = index if found is None else found
         if position < len(call.args):
             return "args", position

@@ -23,6 +23,9 @@ class Standardized:
         self.family = family
         self.module = model
         layer_modules = model.get_submodule(family.layers)
+        if not isinstance(layer_modules, nn.ModuleList | nn.Sequential):
+            raise TypeError(f"{family.__name__}: {family.layers} is a "
+                            f"{type(layer_modules).__name__}, not a list of decoder blocks")
         self.layers = [family.Layer(block, f"layers.{i}") for i, block in enumerate(layer_modules)]
         self.model = family.Model(model, family.embed_tokens, self.layers)
 

@@ -12,6 +12,7 @@ from vllm_envoys.eproperty import EProperty
 from vllm_envoys.families import known
 from vllm_envoys.family import Family
 from vllm_envoys.hosts import Layer
+from vllm_envoys.transformers_backend import TransformersBackend
 
 MARKERS = ("<!-- support-table -->", "<!-- /support-table -->")
 
@@ -38,8 +39,6 @@ def _values(family: type[Family]) -> dict[str, EProperty]:
 
 def families() -> list[tuple[str, type[Family]]]:
     """Every shipped family, by name: vLLM's model code first, then the Transformers backend."""
-    from vllm_envoys.transformers_backend import TransformersBackend
-
     seen: dict[type[Family], str] = {}
     for backend in ("vllm", "transformers"):
         for model_type, family in known(backend).items():

@@ -15,6 +15,7 @@ from vllm_envoys.codecs import Rows
 from vllm_envoys.eproperty import EProperty, unavailable
 from vllm_envoys.family import Family
 from vllm_envoys.hosts import Attention, GatedMlp, Layer, Model
+from vllm_envoys.node import module_from
 from vllm_envoys.sites import Arguments, FirstOutput
 
 BACKEND_ATTENTION = (
@@ -50,7 +51,7 @@ class BackendMlp(GatedMlp):
     mlp_input = EProperty(Arguments(("x", 0)), BATCHED, layouts.RESIDUAL,
                           "the (normed) stream entering the MLP")
     mlp_neurons = EProperty(Arguments(("input_", 0)), BATCHED, layouts.NEURONS,
-                            "the input of the down projection", module=lambda host: host.down_name)
+                            "the input of the down projection", module=module_from("down_name"))
     mlp_activation = unavailable(UNKNOWN_ACTIVATION, layouts.NEURONS)
     mlp_output = EProperty(FirstOutput(), BATCHED, layouts.RESIDUAL, "the MLP's contribution")
 
@@ -71,7 +72,7 @@ class BackendLayer(Layer):
     layer_mid = EProperty(
         Arguments(("hidden_states", 0)), Rows(writable=False, batched=True), layouts.RESIDUAL,
         "the residual stream after the attention add (read-only here: edit attention_output)",
-        module=lambda host: host.mid_norm_name)
+        module=module_from("mid_norm_name"))
     layer_output = EProperty(FirstOutput(), BATCHED, layouts.RESIDUAL,
                              "the residual stream leaving the block")
 
@@ -81,7 +82,7 @@ class BackendModel(Model):
 
     token_embeddings = EProperty(
         FirstOutput(), BATCHED, layouts.RESIDUAL, "token embeddings, before any embedding scale",
-        module=lambda host: host.embed_path)
+        module=module_from("embed_path"))
 
 
 class TransformersBackend(Family):

@@ -12,6 +12,7 @@ import pkgutil
 
 from vllm_envoys.errors import UnknownFamily
 from vllm_envoys.family import Family
+from vllm_envoys.transformers_backend import TransformersBackend
 
 # (backend, model_type) -> family; the backend is "vllm" or "transformers" (see Family.backend).
 _REGISTRY: dict[tuple[str, str], type[Family]] = {}
@@ -57,8 +58,6 @@ def lookup(model_type: str, backend: str = "vllm") -> type[Family]:
     if found is not None:
         return found
     if backend == "transformers":
-        from vllm_envoys.transformers_backend import TransformersBackend
-
         return TransformersBackend
     raise UnknownFamily(
         f"no vllm-envoys family covers model_type {model_type!r}. Families exist for: "
