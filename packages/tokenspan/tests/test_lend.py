@@ -68,3 +68,15 @@ def test_bad_results_and_modes_are_refused() -> None:
         lent.written([1.0, 2.0])
     with pytest.raises(ValueError, match="read mode must be one of"):
         lend(torch.zeros(1), "clone")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["lease", "copy"])
+def test_an_owned_tensor_is_lent_as_it_is_and_its_edits_are_seen_in_lease_mode(mode) -> None:
+    """A private copy the caller made already is not copied again; in lease mode an in-place
+    edit is written back, in copy mode it is not."""
+    tensor = torch.zeros(2, 3)
+    lent = lend(tensor, mode, owned=True)
+    assert lent.value is tensor
+    assert lent.written(None) is None
+    lent.value.add_(1)
+    assert (lent.written(None) is tensor) == (mode == "lease")

@@ -165,15 +165,17 @@ class Lent:
     Made by `lend`. `value` is what the code gets: the tensor itself in `"view"` mode, a private
     copy (with a working version counter, even under `torch.inference_mode()`) in `"copy"` and
     `"lease"` mode. After the code ran and returned `result`, `written(result)` says what the
-    caller should write back, if anything.
+    caller should write back, if anything. `owned=True` says the tensor is a private copy
+    already (e.g. a value decoded from the slab), so it is lent as it is, without a second copy;
+    its in-place edits are seen if it has a version counter (made outside inference mode).
     """
 
     __slots__ = ("_counter", "mode", "value")
 
-    def __init__(self, tensor: torch.Tensor, mode: ReadMode = "lease") -> None:
+    def __init__(self, tensor: torch.Tensor, mode: ReadMode = "lease", owned: bool = False) -> None:
         _check_mode(mode)
         self.mode: ReadMode = mode
-        self.value = tensor if mode == "view" else private_copy(tensor)
+        self.value = tensor if mode == "view" or owned else private_copy(tensor)
         self._counter = _version(self.value) if mode == "lease" else None
 
     def written(self, result: object) -> torch.Tensor | None:
@@ -202,10 +204,11 @@ class Lent:
         return f"Lent({self.mode}, {tuple(self.value.shape)})"
 
 
-def lend(tensor: torch.Tensor, mode: ReadMode = "lease") -> Lent:
+def lend(tensor: torch.Tensor, mode: ReadMode = "lease", owned: bool = False) -> Lent:
     """Lend `tensor` to user code in a read mode; `Lent.written` says what to write back.
 
     `"view"` lends `tensor` as is (in-place edits land in it at once); `"copy"` and `"lease"`
-    lend a private copy, whose in-place edits `written` reports in `"lease"` mode only.
+    lend a private copy, whose in-place edits `written` reports in `"lease"` mode only — or,
+    with `owned=True`, the tensor itself, when it is the caller's private copy already.
     """
-    return Lent(tensor, mode)
+    return Lent(tensor, mode, owned)
