@@ -4,8 +4,9 @@ Run with `nox -s "bench(package='vllm-runner')"` (arguments after `--`, e.g. `--
 It rewrites docs/benchmarks.md and its plot (docs/benchmarks/vllm-runner.png); on a GPU,
 benchmarks/gpu/check.sh runs it with a random model of a real shape and `--graphs`.
 
-Method (DESIGN §7): one process holds a bare `vllm.LLM` and our `LLM`, with the same model and
-engine settings (eager, in-process engines so no idle engine process competes for the cores).
+Method (docs/benchmarks.md): one process holds a bare `vllm.LLM` and our `LLM`, with the same
+model and engine settings (eager, in-process engines so no idle engine process competes for the
+cores).
 For each repeat and each arm, the bare engine and the arm run the same fresh workload back to
 back (bare first in even repeats, the arm first in odd ones), so slow drift of the machine and
 order effects hit both sides of a ratio alike. The ratio of a pair is bare time / arm time

@@ -4,8 +4,7 @@ zeroing used where vLLM has none of its own, on plain tensors in vLLM's two cach
 from __future__ import annotations
 
 import torch
-from vllm_runner.kv_blocks import WrittenBlocks
-from vllm_runner.worker import _zero_blocks_of
+from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
 
 
 def test_blocks_are_zeroed_once_when_handed_out_again() -> None:
@@ -21,7 +20,7 @@ def test_blocks_are_zeroed_once_when_handed_out_again() -> None:
 def test_zeroing_finds_the_blocks_axis_in_either_layout() -> None:
     blocks_first = torch.ones(6, 2, 4, 3)    # [blocks, 2, block_size, head_dim]
     kv_first = torch.ones(2, 6, 4, 3)        # [2, blocks, block_size, head_dim]
-    _zero_blocks_of([blocks_first, kv_first], 6, [1, 4])
+    zero_blocks([blocks_first, kv_first], 6, [1, 4])
     for cache, axis in ((blocks_first, 0), (kv_first, 1)):
         zeroed = cache.sum(dim=[d for d in range(4) if d != axis])
         assert zeroed.tolist() == [24.0, 0.0, 24.0, 24.0, 0.0, 24.0]

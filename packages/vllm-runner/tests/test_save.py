@@ -244,21 +244,21 @@ def test_an_interrupted_generate_leaves_nothing_running_or_saved(llm, monkeypatc
 def test_requests_saving_the_same_value_share_one_read_and_each_equal_transformers(
         llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests 0 and 2 run the same program (every layer saved), so each step reads each
-    value once for both (`Runtime._serve_together`); request 1 also steers layer 1, a program
+    value once for both (`serving.serve_together`); request 1 also steers layer 1, a program
     of its own. Each request's rows must still be its own, in position order, over chunked
     steps."""
-    from vllm_runner.runtime import Runtime
+    from vllm_runner import serving
 
     shared: list[int] = []
-    original = Runtime._serve_together
+    original = serving.serve_together
 
-    def counting(self, value, raw, members, *args, **kwargs):
-        served = original(self, value, raw, members, *args, **kwargs)
-        if served and members[0].op["op"] == "save":
+    def counting(value, raw, members, *args, **kwargs):
+        served = original(value, raw, members, *args, **kwargs)
+        if served and isinstance(members[0].op, ops.Save):
             shared.append(len(members))
         return served
 
-    monkeypatch.setattr(Runtime, "_serve_together", counting)
+    monkeypatch.setattr(serving, "serve_together", counting)
     vector = torch.randn(128, generator=torch.Generator().manual_seed(3))
     everything = [ops.Save("layers.*.layer_output"), ops.Save("layers.*.mlp_neurons")]
     programs = [everything, [*everything, ops.Add("layers.1.layer_output", vector)], everything]

@@ -39,7 +39,7 @@ class ToHost:
     """Replaces device tensors by host tensors of their own memory, in batches.
 
     Host tensors are left where they are, except slices, which are cloned: a slice of a step
-    read shared by several requests (`Runtime._serve_together`) would otherwise keep every
+    read shared by several requests (`serving.serve_together`) would otherwise keep every
     request's rows alive."""
 
     def __init__(self, staging: Callable[[], torch.Tensor]) -> None:

@@ -12,13 +12,18 @@ So every block a request with an edit op held is remembered, and zeroed when the
 it out again — to whomever, finished, aborted and preempted owners alike — before the step's
 forward writes into it. Blocks of requests without edits are never touched: they pay nothing.
 A block an edited request still holds is never handed out, and one it cached under its
-program's salt is read by nobody (programmed requests never read the prefix cache; no other
-request has that salt), so zeroing never destroys a block someone reads.
+program's digest (its `cache_salt`) is read by nobody (programmed requests never read the prefix
+cache; no other request has that salt), so zeroing never destroys a block someone reads.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+
+import torch
+
+logger = logging.getLogger("vllm.interp")
 
 
 class WrittenBlocks:
@@ -42,3 +47,19 @@ class WrittenBlocks:
 
     def __len__(self) -> int:
         return len(self._written)
+
+
+def zero_blocks(kv_caches: list[torch.Tensor], num_blocks: int, block_ids: list[int]) -> None:
+    """Zero `block_ids` in each layer's KV cache along its blocks axis: the first of its two
+    leading axes that has `num_blocks` entries (`[blocks, ...]` or `[2, blocks, ...]` in vLLM's
+    layouts). A cache with neither is reported, not guessed at (and the step goes on: failing
+    it would stop every request)."""
+    for kv in kv_caches:
+        axis = next((axis for axis in (0, 1) if kv.dim() > axis and kv.shape[axis] == num_blocks),
+                    None)
+        if axis is None:
+            logger.error("vllm-interp cannot find the blocks axis of a KV cache shaped %s (%d "
+                         "blocks); blocks an edited request held are not zeroed",
+                         tuple(kv.shape), num_blocks)
+            continue
+        kv.index_fill_(axis, torch.tensor(block_ids, dtype=torch.long, device=kv.device), 0)

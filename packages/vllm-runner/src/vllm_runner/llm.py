@@ -18,19 +18,12 @@ import vllm
 from tokenspan import ReadMode
 from vllm import SamplingParams
 
-from vllm_runner import engine_rpc, wire
+from vllm_runner import engine_rpc, vllm_client, wire
 from vllm_runner.compat import check_version, select_v1_runner
 from vllm_runner.engine_start import start
 from vllm_runner.errors import EngineDied, LocationError
-from vllm_runner.ops import Lens, Op, Skip
-from vllm_runner.program import (
-    EXTRA_ARGS_KEY,
-    collection_filters,
-    encode,
-    encode_ops,
-    new_key,
-    program_digest,
-)
+from vllm_runner.ops import Lens, Op
+from vllm_runner.program import EXTRA_ARGS_KEY, encode, encode_ops, new_program_id, program_digest
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
@@ -102,7 +95,7 @@ def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams],
 
 
 class LLM:
-    """`vllm.LLM` plus `interventions=` on `generate` (see DESIGN §4).
+    """`vllm.LLM` plus `interventions=` on `generate` (docs/vllm-runner.md).
 
     `outputs[i].saved` maps canonical locations to CPU tensors; `outputs[i].error` is `None` or
     why the request's program failed.
@@ -216,8 +209,7 @@ class LLM:
         unknown location, a lens wider than the vocabulary, positions past `max_model_len`
         (a negative position past a prompt's start is refused per request, in the worker,
         which knows the prompt's length)."""
-        self.resolve([f"{op.location}.layer_output" if isinstance(op, Skip) else op.location
-                      for ops in programs for op in ops])
+        self.resolve([pattern for ops in programs for op in ops for pattern in op.patterns()])
         longest = self.engine.llm_engine.model_config.max_model_len
         for op in {id(op): op for ops in programs for op in ops}.values():
             if isinstance(op, Lens) and op.top_k > self.vocab_size:
@@ -249,15 +241,15 @@ class LLM:
         prompt_list = [prompts] if single else list(prompts)
         programs = self._programs(interventions, len(prompt_list))
         self._check_programs(programs)
-        requests, params, keys, filters = [], [], [], []
-        # One program given for every prompt is encoded (tensors, pickled code, salt) once.
+        requests, params, program_ids = [], [], []
+        # One program given for every prompt is encoded (tensors, pickled code, digest) once.
         encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], str]] = {}
         for prompt, ops, given in zip(prompt_list, programs,
                                       _per_prompt(sampling_params, len(prompt_list)),
                                       strict=True):
             request = _as_prompt_dict(prompt)
             param = given.clone()  # the caller's object is not changed
-            key = None
+            program_id = None
             if ops:
                 if param.n > 1:
                     raise ValueError(
@@ -267,43 +259,41 @@ class LLM:
                 if signature not in encoded:
                     data = encode_ops(ops)
                     encoded[signature] = (data, program_digest(data))
-                data, salt = encoded[signature]
-                key = new_key()
+                data, digest = encoded[signature]
+                program_id = new_program_id()
                 param.extra_args = {**(param.extra_args or {}),
-                                    EXTRA_ARGS_KEY: encode(key, data, salt)}
-                # The program's salt keeps its KV blocks from anyone not running it; a salt the
-                # caller gave keeps its own meaning too (both, joined).
+                                    EXTRA_ARGS_KEY: encode(program_id, data, digest)}
+                # The program's digest is its cache salt: its KV blocks are kept from anyone not
+                # running it; a salt the caller gave keeps its own meaning too (both, joined).
                 given_salt = request.get("cache_salt")
-                request["cache_salt"] = salt if given_salt is None else f"{given_salt}/{salt}"
-                filters.append(collection_filters(data))
+                request["cache_salt"] = digest if given_salt is None else f"{given_salt}/{digest}"
                 # A prefix-cache hit would skip the prompt rows the program must see: requests
                 # with a program always recompute their prompt (they still feed the cache).
                 param.skip_reading_prefix_cache = True
             requests.append(request)
             params.append(param)
-            keys.append(key)
-        # vLLM numbers requests from its counter, in order (checked against 0.26 and 0.32).
-        first_id = self.engine.request_counter.counter
+            program_ids.append(program_id)
+        first = vllm_client.next_request_number(self.engine)
         try:
             outputs = self.engine.generate(requests, params, **kwargs)
-            self._attach_saves(outputs, {str(first_id + i): key for i, key in enumerate(keys)},
-                               filters)
+            self._attach_saves(outputs, {str(first + i): program_id
+                                         for i, program_id in enumerate(program_ids)})
         except BaseException as error:
             try:
-                self._abandon(first_id, keys)
+                self._abandon(first, program_ids)
             except Exception as cleanup:  # e.g. a Ctrl-C also stopped the engine's processes
                 error.add_note(f"vllm-runner could not abort this call's requests: {cleanup}")
             raise
         return outputs
 
-    def _abandon(self, first_id: int, keys: list[str | None]) -> None:
+    def _abandon(self, first: int, program_ids: list[str | None]) -> None:
         """After an interrupted or failed `generate`: abort its requests (vLLM would leave them
         running, to be returned by the next call, saving into memory nobody frees), then free
         what they saved."""
-        added = [str(i) for i in range(first_id, self.engine.request_counter.counter)]
+        added = vllm_client.request_ids_since(self.engine, first)
         if added and not engine_rpc.is_dead(self.engine):
-            self.engine.llm_engine.abort_request(added)
-        if dropped := [key for key in keys if key]:
+            vllm_client.abort(self.engine, added)
+        if dropped := [program_id for program_id in program_ids if program_id]:
             self._rpc("interp_drop", (dropped,), engine_rpc.CLEANUP_TIMEOUT_S)
 
     def _rpc(self, method: str, args: tuple[Any, ...] = (),
@@ -388,39 +378,30 @@ class LLM:
             return [list(ops) for ops in interventions]
         return [list(interventions) for _ in range(count)]
 
-    def _in_process(self) -> bool:
-        """Whether the worker that keeps the saves runs in this process (vLLM's in-process
-        engine core with its single-process executor; checked against vLLM 0.32), so results
-        need no serialization."""
-        executor = getattr(self.engine.llm_engine, "model_executor", None)  # in-process only
-        return type(executor).__name__ == "UniProcExecutor"
-
-    def _attach_saves(self, outputs: list[Any], keys: dict[str, str | None],
-                      filters: list[list[dict[str, Any]]]) -> None:
-        """Collect each programmed request's saves and error onto its output; `keys` maps this
-        call's request ids to their programs' keys (vLLM also returns requests added before,
-        e.g. with `enqueue`: they get no saves), and `filters` holds `collection_filters` of
-        each programmed request, in order."""
-        wanted = []
-        pending = iter(filters)
+    def _attach_saves(self, outputs: list[Any], program_ids: dict[str, str | None]) -> None:
+        """Collect each programmed request's saves and error onto its output; `program_ids`
+        maps this call's request ids to their programs (vLLM also returns requests added
+        before, e.g. with `enqueue`: they get no saves)."""
+        finished = []
         for output in outputs:
             output.saved, output.error = {}, None
-            key = keys.get(output.request_id)
-            if key is None:
+            program_id = program_ids.get(output.request_id)
+            if program_id is None:
                 continue
             generated = len(output.outputs[0].token_ids) if output.outputs else 0
             prompt_length = len(output.prompt_token_ids)
-            wanted.append({"key": key, "computed": prompt_length + max(generated - 1, 0),
-                           "prompt_length": prompt_length, "ops": next(pending)})
-        if not wanted:
+            finished.append({"program_id": program_id,
+                             "computed": prompt_length + max(generated - 1, 0),
+                             "prompt_length": prompt_length})
+        if not finished:
             return
-        in_process = self._in_process()
-        (data, *_) = self._rpc("interp_collect", (wanted, not in_process))
+        in_process = vllm_client.runs_in_process(self.engine)
+        (data, *_) = self._rpc("interp_collect", (finished, not in_process))
         collected = data if in_process else wire.decode(data)
         for output in outputs:
-            key = keys.get(output.request_id)
-            if key is not None:
-                result = collected.get(key, {})
+            program_id = program_ids.get(output.request_id)
+            if program_id is not None:
+                result = collected.get(program_id, {})
                 output.saved = result.get("saved", {})
                 output.error = result.get("error")
                 if output.error is not None:

@@ -1,85 +1,151 @@
 """Operations a request's program runs on its own rows: what users put in `interventions`.
 
-Each op is a small value object that turns itself into plain data (`to_data`), so a program can
-travel in `SamplingParams.extra_args` across process boundaries.
+Each op is a small value object. The client turns it into plain data (`to_data`) that travels
+in `SamplingParams.extra_args`; a worker turns the data back into the same class
+(`op_from_data`) and the op does its own work there: where it acts (`patterns`), whether many
+requests running it share one read (`together`), how it saves or edits (`serve`, `edited`) and
+what it leaves in the saves (`saved_names`). A new op is one class here and its tests.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import pickle
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from numbers import Integral, Real
-from typing import Any, Literal, get_args
+from numbers import Integral
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from tokenspan import READ_MODES, ReadMode
+from tokenspan import READ_MODES, ReadMode, lend
 
-Steps = Literal["all", "prefill", "decode"]
-STEPS: tuple[str, ...] = get_args(Steps)
+from vllm_runner.op_checks import (
+    STEPS,
+    Steps,
+    check_number,
+    check_tensor,
+    check_where,
+    check_whole_numbers,
+    non_finite,
+    op_name,
+    refuse_non_finite,
+)
+from vllm_runner.op_data import TAG, field_from_data, field_to_data
 
+if TYPE_CHECKING:
+    from vllm_runner.serving import Visit
 
-def _name(op: Any) -> str:
-    return f"{type(op).__name__}({op.location!r})"
+__all__ = ["STEPS", "Add", "Call", "CallContext", "Lens", "Op", "ProjectOut", "Save", "Scale",
+           "Set", "Skip", "Steps", "Zero", "op_from_data"]
 
-
-def _checked_where(op: Any) -> None:
-    """Refuse `steps` outside `STEPS` and `positions` that are not a sequence of whole numbers,
-    naming the op (a typo such as `steps="sometimes"` would otherwise act as `"all"`)."""
-    if op.steps not in STEPS:
-        raise ValueError(f"{_name(op)}: steps={op.steps!r} must be one of {', '.join(STEPS)}")
-    positions = op.positions
-    if positions is not None and (not isinstance(positions, (tuple, list, range)) or not all(
-            isinstance(p, Integral) and not isinstance(p, bool) for p in positions)):
-        raise ValueError(f"{_name(op)}: positions={positions!r} must be a tuple of whole "
-                         "numbers (absolute, or negative from the end of the prompt), e.g. "
-                         "(-1,)")
-
-
-def _checked_tensor(op: Any, field_name: str) -> None:
-    """Refuse a tensor argument that is not a real tensor or holds NaN or infinity: a
-    non-finite vector makes every value it touches non-finite (e.g. a direction normalised
-    from a zero vector)."""
-    tensor = getattr(op, field_name)
-    if not isinstance(tensor, torch.Tensor) or tensor.is_complex():
-        raise TypeError(f"{_name(op)}: {field_name} must be a real-valued torch.Tensor, not "
-                        f"{type(tensor).__name__}" + (" (complex)" if isinstance(
-                            tensor, torch.Tensor) else ""))
-    if tensor.is_floating_point():
-        # As it travels: float32 (`tensor_to_data`), where a float64 1e300 is infinite.
-        bad = non_finite(tensor.detach().float(), op.location == "logits")
-        if bad:
-            raise ValueError(f"{_name(op)}: {field_name} holds {bad} non-finite values (NaN or "
-                             f"infinity, or beyond float32's range) of {tensor.numel()}; was it "
-                             "normalised from a zero vector?")
-
-
-def non_finite(tensor: torch.Tensor, on_logits: bool) -> int:
-    """How many values of `tensor` are NaN or infinite — except `-inf` on the logits, which
-    bans a token and touches nothing the engine keeps."""
-    bad = ~torch.isfinite(tensor)
-    if on_logits:
-        bad &= tensor != float("-inf")
-    return int(bad.sum())
-
-
-def _checked_number(op: Any, field_name: str) -> None:
-    """Refuse a scale or factor that is not a finite real number."""
-    number = getattr(op, field_name)
-    if isinstance(number, bool) or not isinstance(number, Real):
-        raise TypeError(f"{_name(op)}: {field_name} must be a number, not "
-                        f"{type(number).__name__}")
-    if not math.isfinite(float(number)):
-        raise ValueError(f"{_name(op)}: {field_name}={number!r} is not finite")
-
-
-def _where(op: Any) -> dict[str, Any]:
-    """The `positions` and `steps` filters of an op, as plain data."""
-    positions = None if op.positions is None else [int(p) for p in op.positions]  # numpy ints
-    return {"positions": positions, "steps": op.steps}
+KeepPosition = Callable[[int], bool]
 
 
 @dataclass(frozen=True)
-class Save:
+class Op:
+    """What every op is: a kind on the wire and its behaviour in the worker (defaults here)."""
+
+    #: The op's name in its plain data (`{"op": kind, ...}`).
+    kind: ClassVar[str] = ""
+    #: Whether it may change a value the engine keeps (its requests' KV blocks are zeroed
+    #: before anyone else gets them: `kv_blocks`); Save and Lens only read.
+    edits: ClassVar[bool] = True
+    #: Whether requests running this very op can be served with one read (and one write) per
+    #: run of their rows instead of one per request (`serving.serve_together`).
+    together: ClassVar[bool] = False
+
+    location: str
+
+    def patterns(self) -> tuple[str, ...]:
+        """The location patterns the op acts at (resolved by the worker)."""
+        return (self.location,)
+
+    def saved_names(self, location: str) -> tuple[str, ...]:
+        """The keys of `outputs[i].saved` the op fills at canonical `location`."""
+        return ()
+
+    def keeps(self, prompt_length: int) -> KeepPosition | None:
+        """`position -> bool`: which positions the op acts at (`None`: every one)."""
+        return None
+
+    def before_the_prompt(self, prompt_length: int) -> str | None:
+        """Why the op can never run as written on a prompt of `prompt_length` tokens, or
+        `None`."""
+        return None
+
+    def shares_rows(self) -> bool:
+        """Whether every row of every request running the op is treated alike, so they can be
+        served together."""
+        return self.together and self.keeps(0) is None
+
+    def serve(self, visit: Visit) -> None:
+        """Run the op on one request's rows at one hook visit."""
+        raise NotImplementedError(type(self).__name__)
+
+    def failure_detail(self, error: BaseException) -> str:
+        """More to say in a request's error when `serve` raised `error` (e.g. user frames)."""
+        return ""
+
+    def to_data(self) -> dict[str, Any]:
+        """Plain data for `SamplingParams.extra_args` (see `op_data`)."""
+        fields = {item.name: field_to_data(getattr(self, item.name))
+                  for item in dataclasses.fields(self)}
+        return {TAG: self.kind, **self.data_fields(fields)}
+
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """The fields as they travel (a class whose fields do not travel as they are changes
+        them here, and back in `fields_from_data`)."""
+        return fields
+
+    @classmethod
+    def fields_from_data(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of `data_fields`: the class's constructor arguments."""
+        return fields
+
+
+@dataclass(frozen=True)
+class RowOp(Op):
+    """An op with the shared `positions` and `steps` filters (keyword arguments)."""
+
+    positions: tuple[int, ...] | None = field(default=None, kw_only=True)
+    steps: Steps = field(default="all", kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_where(self)
+
+    def keeps(self, prompt_length: int) -> KeepPosition | None:
+        """`position -> bool` for `positions` (negative: from the prompt's end) and `steps`;
+        `None` when the op keeps every position."""
+        positions, steps = self.positions, self.steps
+        if positions is None and steps == "all":
+            return None
+        absolute = None if positions is None else {p + prompt_length if p < 0 else p
+                                                   for p in positions}
+
+        def keep(position: int) -> bool:
+            if absolute is not None and position not in absolute:
+                return False
+            if steps == "prefill":
+                return position < prompt_length
+            if steps == "decode":
+                return position >= prompt_length
+            return True
+        return keep
+
+    def before_the_prompt(self, prompt_length: int) -> str | None:
+        """Why the op can never run as written on a prompt of `prompt_length` tokens (a
+        negative position counted past the prompt's start), or `None`."""
+        never = [p for p in self.positions or () if p < -prompt_length]
+        if not never:
+            return None
+        return (f"{self.kind} at {self.location}: positions {never} are before the start of the "
+                f"prompt, which has {prompt_length} tokens (-1..-{prompt_length} count from its "
+                "end)")
+
+
+@dataclass(frozen=True)
+class Save(RowOp):
     """Save the value at `location` for this request, at every position it runs through.
 
     `outputs[i].saved[location]` is then a CPU tensor in the value's layout with the token axis
@@ -88,167 +154,305 @@ class Save:
     keeps only prefill or decode steps.
     """
 
-    location: str
-    positions: tuple[int, ...] | None = None
-    steps: Steps = "all"
+    kind = "save"
+    edits = False
+    together = True
 
-    def __post_init__(self) -> None:
-        _checked_where(self)
+    def saved_names(self, location: str) -> tuple[str, ...]:
+        """The value itself, under its canonical location."""
+        return (location,)
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args`."""
-        return {"op": "save", "location": self.location,
-                **_where(self)}
-
-
-def tensor_to_data(tensor: torch.Tensor) -> dict[str, Any]:
-    """A tensor as plain data (float32 bytes and a shape), which msgpack carries anywhere."""
-    flat = tensor.detach().to("cpu", torch.float32).contiguous()
-    return {"shape": list(flat.shape), "float32": flat.numpy().tobytes()}
-
-
-def tensor_from_data(data: dict[str, Any]) -> torch.Tensor:
-    """The inverse of `tensor_to_data`."""
-    return torch.frombuffer(bytearray(data["float32"]), dtype=torch.float32).reshape(data["shape"])
+    def serve(self, visit: Visit) -> None:
+        """Keep the request's rows (on rank 0 only: the client collects from there)."""
+        if not visit.services.keeps_saves:
+            return
+        visit.services.store.save(visit.want.program_id, visit.location,
+                                  visit.want.span.first_position, visit.read(),
+                                  visit.token_axis)
 
 
 @dataclass(frozen=True)
-class Add:
+class Lens(RowOp):
+    """A logit lens inside the engine: project the residual value at `location` through the
+    model's final norm and unembedding, and save only the top-k tokens and probabilities.
+
+    `saved[f"{location}.lens_tokens"]` and `saved[f"{location}.lens_probs"]` are
+    `[1, positions, top_k]`; no hidden state leaves the worker.
+    """
+
+    kind = "lens"
+    edits = False
+    #: What a lens at `location` leaves in the saves: `f"{location}.{suffix}"`.
+    RESULTS: ClassVar[tuple[str, str]] = ("lens_tokens", "lens_probs")
+
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) \
+                or self.top_k < 1:
+            raise ValueError(f"Lens({self.location!r}, top_k={self.top_k!r}): top_k must be a "
+                             "whole number of tokens, at least 1")
+        super().__post_init__()
+
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`top_k` as a Python int (numpy integers do not travel)."""
+        return {**fields, "top_k": int(self.top_k)}
+
+    def saved_names(self, location: str) -> tuple[str, ...]:
+        """The top-k tokens and their probabilities."""
+        return tuple(f"{location}.{suffix}" for suffix in self.RESULTS)
+
+    def serve(self, visit: Visit) -> None:
+        """Top-k next-token probabilities of the rows, through the model's own final norm and
+        logits (every rank computes them: under tensor parallelism the logits are gathered)."""
+        probabilities, tokens = visit.services.lens(visit.read(), self.top_k)
+        if not visit.services.keeps_saves:
+            return
+        tokens_name, probs_name = self.saved_names(visit.location)
+        store, program_id = visit.services.store, visit.want.program_id
+        first = visit.want.span.first_position
+        store.save(program_id, tokens_name, first, tokens.unsqueeze(0), 1)
+        store.save(program_id, probs_name, first, probabilities.unsqueeze(0), 1)
+
+
+@dataclass(frozen=True)
+class EditOp(RowOp):
+    """An op that computes a new value from the value as read, on the rows it keeps."""
+
+    together = True
+
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+        """The value after the edit, on every row; `layout` names the value's axes."""
+        raise NotImplementedError(type(self).__name__)
+
+    def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
+        """Whether the edit is the same for every row (its tensor, if any, does not extend
+        along the tokens axis): only then is editing many requests' rows at once the same as
+        editing each request's (a `[tokens, hidden]` value sized for one request must fail
+        alone, not fit two requests by chance)."""
+        return True
+
+    def serve(self, visit: Visit) -> None:
+        """Edit the request's rows it keeps and write them back; a non-finite result fails the
+        request before anything is written."""
+        current = visit.read()
+        edited = self.edited(current, visit.value.eproperty.layout)
+        keep = self.keeps(visit.want.step.prompt_length)
+        axis = visit.token_axis
+        if axis is not None and keep is not None:
+            first = visit.want.span.first_position
+            for offset in range(current.shape[axis]):
+                if not keep(first + offset):
+                    edited.select(axis, offset).copy_(current.select(axis, offset))
+        refuse_non_finite(edited, f"the {self.kind}", visit.location)
+        visit.write(edited)
+
+
+def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...],
+            what: str) -> torch.Tensor:
+    """`tensor` if it broadcasts over the value as read, else an error that says which shape
+    would (the value's layout and this step's shape)."""
+    try:
+        fits = torch.broadcast_shapes(tuple(tensor.shape), tuple(current.shape)) == current.shape
+    except RuntimeError:
+        fits = False
+    if not fits:  # e.g. two rows for a request that has one this step
+        raise ValueError(
+            f"{what} has shape {tuple(tensor.shape)}, which does not broadcast over the value "
+            f"[{' '.join(layout)}] (this step: {tuple(current.shape)}); e.g. give "
+            f"[{current.shape[-1]}] for a vector along its last axis")
+    return tensor
+
+
+def _constant_along_tokens(tensor: torch.Tensor, current: torch.Tensor, token_axis: int) -> bool:
+    """Whether `tensor`, broadcast over `current`, has no extent along the tokens axis."""
+    shape = tensor.shape
+    reach = current.dim() - token_axis  # axes from the right, up to the tokens axis
+    return len(shape) < reach or shape[len(shape) - reach] == 1
+
+
+@dataclass(frozen=True)
+class Add(EditOp):
     """Add `scale * vector` to the value at `location`, on this request's rows only (steering).
 
     `vector` broadcasts over the value's layout (e.g. `[hidden]` for `layer_output`). `positions`
     and `steps` limit where it is added, as for `Save`.
     """
 
-    location: str
+    kind = "add"
+
     vector: torch.Tensor = field(repr=False)
     scale: float = 1.0
-    positions: tuple[int, ...] | None = None
-    steps: Steps = "all"
 
     def __post_init__(self) -> None:
-        _checked_tensor(self, "vector")
-        _checked_number(self, "scale")
-        _checked_where(self)
+        check_tensor(self, "vector")
+        check_number(self, "scale")
+        super().__post_init__()
         if non_finite(self.vector.detach().float() * float(self.scale),
                       self.location == "logits"):
-            raise ValueError(f"{_name(self)}: scale * vector overflows float32 (scale="
+            raise ValueError(f"{op_name(self)}: scale * vector overflows float32 (scale="
                              f"{self.scale!r}); every value it is added to would be infinite")
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args` (the vector as bytes)."""
-        return {"op": "add", "location": self.location, "vector": tensor_to_data(self.vector),
-                "scale": float(self.scale),
-                **_where(self)}
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`scale` as a float (numpy numbers do not travel)."""
+        return {**fields, "scale": float(self.scale)}
+
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+        """`current + scale * vector`."""
+        vector = _fitted(self.vector, current, layout, "Add's vector")
+        return current + vector.to(current.device, current.dtype) * self.scale
+
+    def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
+        """Whether the vector has no extent along the tokens axis."""
+        return _constant_along_tokens(self.vector, current, token_axis)
 
 
 @dataclass(frozen=True)
-class Set:
+class Set(EditOp):
     """Replace the value at `location` with `value` (broadcast over its layout) on this request's
     rows, e.g. a patched activation taken from another run."""
 
-    location: str
+    kind = "set"
+
     value: torch.Tensor = field(repr=False)
-    positions: tuple[int, ...] | None = None
-    steps: Steps = "all"
 
     def __post_init__(self) -> None:
-        _checked_tensor(self, "value")
-        _checked_where(self)
+        check_tensor(self, "value")
+        super().__post_init__()
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args`."""
-        return {"op": "set", "location": self.location, "value": tensor_to_data(self.value),
-                **_where(self)}
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+        """`value`, broadcast over the rows."""
+        value = _fitted(self.value, current, layout, "Set's value")
+        return value.to(current.device, current.dtype).expand_as(current).clone()
+
+    def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
+        """Whether the value has no extent along the tokens axis."""
+        return _constant_along_tokens(self.value, current, token_axis)
 
 
 @dataclass(frozen=True)
-class Scale:
+class Scale(EditOp):
     """Multiply the value at `location` by `factor` on this request's rows."""
 
-    location: str
+    kind = "scale"
+
     factor: float
-    positions: tuple[int, ...] | None = None
-    steps: Steps = "all"
 
     def __post_init__(self) -> None:
-        _checked_number(self, "factor")
-        _checked_where(self)
+        check_number(self, "factor")
+        super().__post_init__()
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args`."""
-        return {"op": "scale", "location": self.location, "factor": float(self.factor),
-                **_where(self)}
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`factor` as a float (numpy numbers do not travel)."""
+        return {**fields, "factor": float(self.factor)}
+
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+        """`current * factor`."""
+        return current * self.factor
 
 
 @dataclass(frozen=True)
-class Zero:
+class Zero(EditOp):
     """Zero the value at `location` on this request's rows — only the given `heads` for values
     with a heads axis (queries, keys, values, head outputs), e.g. head ablation."""
 
-    location: str
+    kind = "zero"
+
     heads: tuple[int, ...] | None = None
-    positions: tuple[int, ...] | None = None
-    steps: Steps = "all"
 
     def __post_init__(self) -> None:
-        _checked_where(self)
-        if self.heads is not None and (not isinstance(self.heads, (tuple, list)) or not all(
-                isinstance(h, Integral) and not isinstance(h, bool) and h >= 0
-                for h in self.heads)):
-            raise ValueError(f"{_name(self)}: heads={self.heads!r} must be a tuple of head "
-                             "indices (0 or more)")
+        super().__post_init__()
+        check_whole_numbers(self, "heads", "head indices")
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args`."""
-        return {"op": "zero", "location": self.location,
-                "heads": None if self.heads is None else list(self.heads),
-                **_where(self)}
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+        """Zeros, on every head or on `heads` only."""
+        edited = current.clone()
+        if self.heads is None:
+            return edited.zero_()
+        if "heads" not in layout and "kv_heads" not in layout:
+            raise ValueError(f"Zero(heads=...) needs a value with a heads axis, not "
+                             f"[{' '.join(layout)}]")
+        axis = layout.index("heads" if "heads" in layout else "kv_heads")
+        return edited.index_fill_(axis, torch.tensor(self.heads, dtype=torch.long,
+                                                     device=current.device), 0.0)
 
 
 @dataclass(frozen=True)
-class ProjectOut:
+class ProjectOut(EditOp):
     """Remove the component along `direction` from the value at `location` (its last axis) on
     this request's rows: `x - (x·d̂) d̂`, e.g. directional ablation."""
 
-    location: str
+    kind = "project_out"
+
     direction: torch.Tensor = field(repr=False)
-    positions: tuple[int, ...] | None = None
-    steps: Steps = "all"
 
     def __post_init__(self) -> None:
-        _checked_tensor(self, "direction")
-        _checked_where(self)
+        check_tensor(self, "direction")
+        super().__post_init__()
         if not bool(self.direction.detach().abs().sum() > 0):
-            raise ValueError(f"{_name(self)}: direction is a zero vector; there is no "
+            raise ValueError(f"{op_name(self)}: direction is a zero vector; there is no "
                              "component to remove")
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args`."""
-        return {"op": "project_out", "location": self.location,
-                "direction": tensor_to_data(self.direction),
-                **_where(self)}
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+        """`current` less its component along the unit direction."""
+        direction = self.direction.to(current.device, current.dtype)
+        unit = direction / direction.norm()
+        return current - (current @ unit).unsqueeze(-1) * unit
 
 
-@dataclass(frozen=True)
-class Skip:
+@dataclass(frozen=True, init=False, repr=False)
+class Skip(Op):
     """Skip layer `layer` for this request only: its output becomes its input, on this request's
     rows (the layer still runs for every other request — safe on a shared engine)."""
 
-    layer: int
+    kind = "skip"
+    INPUT: ClassVar[str] = "layer_input"
+    OUTPUT: ClassVar[str] = "layer_output"
+
+    def __init__(self, layer: int) -> None:
+        object.__setattr__(self, "location", f"layers.{layer}")
+
+    def __repr__(self) -> str:
+        return f"Skip({self.layer})"
 
     @property
-    def location(self) -> str:
-        """The layer, as a location prefix (`layers.<i>`)."""
-        return f"layers.{self.layer}"
+    def layer(self) -> int:
+        """The layer's index."""
+        return int(self.location.rsplit(".", 1)[1])
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args`."""
-        return {"op": "skip", "location": self.location}
+    def patterns(self) -> tuple[str, ...]:
+        """The layer's input (read) and output (replaced by the input)."""
+        return (f"{self.location}.{self.INPUT}", f"{self.location}.{self.OUTPUT}")
+
+    def serve(self, visit: Visit) -> None:
+        """At the layer's input, keep the request's rows; at its output, write them back."""
+        skipped = visit.services.skipped
+        remembered = (visit.want.program_id, self.location)
+        if visit.location.endswith(f".{self.INPUT}"):
+            skipped[remembered] = visit.read()
+        else:
+            visit.write(skipped.pop(remembered))
+
+    @classmethod
+    def fields_from_data(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """The layer, from its location `layers.<i>`."""
+        prefix, _, index = str(fields["location"]).partition(".")
+        if prefix != "layers" or not index.lstrip("-").isdigit():
+            raise ValueError(f"skip: location {fields['location']!r} is not layers.<i>")
+        return {"layer": int(index)}
 
 
 @dataclass(frozen=True)
-class Call:
+class CallContext:
+    """What a `Call` function learns about the rows it is given."""
+
+    location: str
+    positions: torch.Tensor
+    prompt_length: int
+
+
+@dataclass(frozen=True)
+class Call(Op):
     """Run `fn(value, ctx)` on this request's value at `location`, each step it runs.
 
     How `value` is lent is the read mode, `reads` (default: the engine's, `LLM(interp_reads=)`):
@@ -268,46 +472,74 @@ class Call:
     parallelism, with the whole value — and what it keeps lives there (save values with `Save`).
     """
 
-    location: str
+    kind = "call"
+
     fn: Any = field(repr=False)
     reads: ReadMode | None = None
 
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args` (the function as cloudpickled bytes)."""
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """The function as cloudpickled bytes; a bad read mode is refused here, in the user's
+        process."""
         import cloudpickle
 
         if self.reads is not None and self.reads not in READ_MODES:
             raise ValueError(f"Call(reads={self.reads!r}): the read mode must be one of "
                              f"{', '.join(READ_MODES)} (or None for the engine's)")
-        return {"op": "call", "location": self.location, "fn": cloudpickle.dumps(self.fn),
-                "reads": self.reads}
+        return {**fields, "fn": cloudpickle.dumps(self.fn)}
+
+    @classmethod
+    def fields_from_data(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """The function unpickled (in the worker: each request gets its own)."""
+        return {**fields, "fn": pickle.loads(fields["fn"])}
+
+    def serve(self, visit: Visit) -> None:
+        """Lend the value to the function in the op's read mode and write back what changed."""
+        mode = self.reads or visit.services.reads
+        lent = None
+        if mode == "view" and (view := visit.value.view(visit.rows, visit.want.step)) is not None:
+            lent = lend(view, "view")
+        if lent is None:  # a copy, or a value not stored as read (lent as a lease)
+            # Read outside inference mode, so the copy counts its in-place edits.
+            with torch.inference_mode(False):
+                value = visit.read()
+            lent = lend(value, "copy" if mode == "copy" else "lease", owned=True)
+        context = CallContext(visit.location, visit.want.span.positions(),
+                              visit.want.step.prompt_length)
+        result = self._run_user_code(lent.value, context)
+        edited = lent.written(result)
+        if edited is None:
+            if lent.mode == "view":  # its writes landed already: say so if they broke it
+                refuse_non_finite(lent.value, "the function (in view mode: its writes landed)",
+                                  visit.location)
+            return  # untouched: nothing is written
+        refuse_non_finite(edited, "the function" if edited is lent.value else
+                          "the function's result", visit.location)
+        visit.write(edited)
+
+    def _run_user_code(self, value: torch.Tensor, context: CallContext) -> Any:
+        return self.fn(value, context)
+
+    def failure_detail(self, error: BaseException) -> str:
+        """The traceback lines of the function's failure below our call into it (the user's own
+        code, with its file and line)."""
+        frames = traceback.extract_tb(error.__traceback__)
+        ours = [index for index, frame in enumerate(frames)
+                if frame.filename == __file__ and frame.name == "_run_user_code"]
+        user = frames[ours[-1] + 1:] if ours else frames
+        if not user:
+            return ""
+        return "\n" + "".join(traceback.format_list(user)).rstrip()
 
 
-@dataclass(frozen=True)
-class Lens:
-    """A logit lens inside the engine: project the residual value at `location` through the
-    model's final norm and unembedding, and save only the top-k tokens and probabilities.
-
-    `saved[f"{location}.lens_tokens"]` and `saved[f"{location}.lens_probs"]` are
-    `[1, positions, top_k]`; no hidden state leaves the worker.
-    """
-
-    location: str
-    top_k: int = 10
-    positions: tuple[int, ...] | None = None
-    steps: Steps = "all"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, Integral) \
-                or self.top_k < 1:
-            raise ValueError(f"Lens({self.location!r}, top_k={self.top_k!r}): top_k must be a "
-                             "whole number of tokens, at least 1")
-        _checked_where(self)
-
-    def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args`."""
-        return {"op": "lens", "location": self.location, "top_k": int(self.top_k),
-                **_where(self)}
+OPS_BY_KIND: dict[str, type[Op]] = {
+    op.kind: op for op in (Save, Add, Set, Scale, Zero, ProjectOut, Skip, Call, Lens)}
 
 
-Op = Save | Add | Set | Scale | Zero | ProjectOut | Skip | Call | Lens
+def op_from_data(data: dict[str, Any]) -> Op:
+    """The op `Op.to_data` made `data` from, checked again as when the user made it."""
+    kind = data.get(TAG)
+    op_class = OPS_BY_KIND.get(kind) if isinstance(kind, str) else None
+    if op_class is None:
+        raise ValueError(f"unknown op {kind!r}: the ops are {', '.join(OPS_BY_KIND)}")
+    fields = {name: field_from_data(value) for name, value in data.items() if name != TAG}
+    return op_class(**op_class.fields_from_data(fields))

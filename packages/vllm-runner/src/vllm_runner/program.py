@@ -1,7 +1,7 @@
-"""Programs: a request's ops as plain data in `SamplingParams.extra_args`.
+"""Programs: a request's ops as plain data in `SamplingParams.extra_args`, and back.
 
-Plain data (str, int, lists, dicts) survives msgpack between the client, the engine core and the
-workers, so the same program works in-process, across processes and over HTTP.
+The client encodes a program once per call (`encode`); a worker decodes each request's program
+once, at its first step (`ProgramCache`), into the op classes of `vllm_runner.ops`.
 """
 
 from __future__ import annotations
@@ -10,17 +10,21 @@ import hashlib
 import json
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_runner.ops import Op
+from vllm_runner.ops import Call, Op, op_from_data
 
 EXTRA_ARGS_KEY = "vllm_interp"
-#: Ops that only read (and save): a program of these alone never changes a value the engine keeps.
-READ_ONLY_OPS = ("save", "lens")
+#: How many programs without a `Call` the worker keeps decoded by digest (requests running the
+#: same program share their ops; decoding costs tensor copies and checks).
+SHARED_PROGRAMS = 256
+
+ProgramData = dict[str, Any]
 
 
-def new_key() -> str:
-    """A key naming one request's program and saves, unique across clients."""
+def new_program_id() -> str:
+    """A name for one request's program and saves, unique across clients."""
     return uuid.uuid4().hex
 
 
@@ -29,25 +33,11 @@ def encode_ops(ops: Sequence[Op]) -> list[dict[str, Any]]:
     return [op.to_data() for op in ops]
 
 
-def encode(key: str, ops_data: list[dict[str, Any]], digest: str | None = None) -> dict[str, Any]:
-    """The `extra_args` entry for a request whose ops were encoded by `encode_ops`. `digest`
-    (`program_digest(ops_data)`) names the program: the worker serves requests with the same
-    digest together (one read per value for all of them)."""
-    return {"key": key, "ops": ops_data, "digest": digest}
-
-
 def program_digest(ops_data: list[dict[str, Any]]) -> str:
-    """A name that only requests running the very same program share (also their prefix-cache
-    salt)."""
+    """A name that only requests running the very same program share: the worker serves them
+    together (one read per value for all), and it is their prefix-cache salt."""
     text = json.dumps(ops_data, sort_keys=True, default=_bytes_as_hex)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def collection_filters(ops_data: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What collecting a request's saves needs of its program: the location and position
-    filters of its `save` and `lens` ops (no tensors, no code)."""
-    return [{key: op.get(key) for key in ("op", "location", "positions", "steps")}
-            for op in ops_data if op["op"] in READ_ONLY_OPS]
 
 
 def _bytes_as_hex(value: Any) -> str:
@@ -56,14 +46,77 @@ def _bytes_as_hex(value: Any) -> str:
     raise TypeError(f"cannot hash a program holding {type(value).__name__}")
 
 
-def program_of(extra_args: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The program a request carries, or `None` for a plain request."""
+def encode(program_id: str, ops_data: list[dict[str, Any]], digest: str) -> ProgramData:
+    """The `extra_args` entry for a request whose ops were encoded by `encode_ops`, with their
+    `program_digest`."""
+    return {"program_id": program_id, "ops": ops_data, "digest": digest}
+
+
+def program_data(extra_args: dict[str, Any] | None) -> ProgramData | None:
+    """The program a request carries in its `extra_args`, or `None` for a plain request."""
     if not extra_args:
         return None
-    return extra_args.get(EXTRA_ARGS_KEY)
+    found = extra_args.get(EXTRA_ARGS_KEY)
+    return found if isinstance(found, dict) else None
 
 
-def edits(program: dict[str, Any] | None) -> bool:
-    """Whether a program may change the engine's values (any op but a save or a lens): its
-    requests' KV blocks are zeroed before they are handed to anyone else (`kv_blocks`)."""
-    return program is not None and any(op["op"] not in READ_ONLY_OPS for op in program["ops"])
+@dataclass(frozen=True)
+class Program:
+    """One request's program, decoded: its ops and the names that group and collect it."""
+
+    program_id: str
+    digest: str
+    ops: tuple[Op, ...]
+
+    @property
+    def edits(self) -> bool:
+        """Whether it may change the engine's values (any op but a save or a lens): its
+        requests' KV blocks are zeroed before they are handed to anyone else (`kv_blocks`)."""
+        return any(op.edits for op in self.ops)
+
+    def before_the_prompt(self, prompt_length: int) -> str | None:
+        """Why the program can never run as written on a prompt of `prompt_length` tokens, or
+        `None` (see `Op.before_the_prompt`)."""
+        return next((problem for op in self.ops
+                     if (problem := op.before_the_prompt(prompt_length)) is not None), None)
+
+
+class ProgramCache:
+    """Each running request's decoded program, decoded at its first step and kept until its
+    saves are collected or dropped; programs without a `Call` share their ops by digest (a
+    `Call`'s function is unpickled per request: it may keep state of its own)."""
+
+    def __init__(self) -> None:
+        self._programs: dict[str, Program] = {}
+        self._shared: dict[str, tuple[Op, ...]] = {}
+
+    def get(self, data: ProgramData) -> Program:
+        """The decoded program of `data` (a `ValueError` if it does not decode)."""
+        program_id = data["program_id"]
+        found = self._programs.get(program_id)
+        if found is None:
+            found = self._programs[program_id] = Program(program_id, data["digest"],
+                                                         self._ops(data))
+        return found
+
+    def _ops(self, data: ProgramData) -> tuple[Op, ...]:
+        shared = self._shared.get(data["digest"])
+        if shared is not None:
+            return shared
+        ops = tuple(op_from_data(op) for op in data["ops"])
+        if not any(isinstance(op, Call) for op in ops):
+            if len(self._shared) >= SHARED_PROGRAMS:
+                self._shared.pop(next(iter(self._shared)))
+            self._shared[data["digest"]] = ops
+        return ops
+
+    def known(self, program_id: str) -> Program | None:
+        """The program decoded for `program_id`, if its request was ever scheduled."""
+        return self._programs.get(program_id)
+
+    def forget(self, program_id: str) -> None:
+        """Drop a finished request's program."""
+        self._programs.pop(program_id, None)
+
+    def __len__(self) -> int:
+        return len(self._programs)

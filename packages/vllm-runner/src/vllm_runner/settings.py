@@ -8,6 +8,7 @@ for the workers is therefore an environment variable, set before the engine star
 from __future__ import annotations
 
 import os
+from typing import cast
 
 from tokenspan import READ_MODES, ReadMode
 
@@ -21,7 +22,7 @@ def read_mode(value: str | None = None) -> ReadMode:
     if mode not in READ_MODES:
         raise ValueError(f"read mode {mode!r} (LLM(interp_reads=) or {READS_VARIABLE}) must be "
                          f"one of {', '.join(READ_MODES)}")
-    return mode
+    return cast(ReadMode, mode)
 
 
 #: How many MiB of saves a worker keeps on its GPU before moving them to the host.

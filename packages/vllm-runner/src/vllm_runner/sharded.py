@@ -43,7 +43,7 @@ class ShardedValues:
             keys = tuple(self._argument_key(path, name, index)
                          for name, index in site.arguments)
         elif isinstance(site, (Output, FirstOutput)):
-            if f"{path}.output" in self.fragments and getattr(site, "indices", ()):
+            if f"{path}.output" in self.fragments and isinstance(site, Output) and site.indices:
                 raise NotImplementedError(
                     f"{value.location}: picking items of a sharded tuple output is not supported")
             keys = (f"{path}.output" if f"{path}.output" in self.fragments else None,)
@@ -65,9 +65,12 @@ class ShardedValues:
         any edited whole back into the engine's tensor in place."""
         module = value.module
         site = value.eproperty.site
+        if site is None:  # `keys` found shards, so the value has a site
+            raise ValueError(f"{value.location} has no site to gather")
         picked = site.get(raw, module)
         pieces = picked if len(keys) > 1 else (picked,)
-        wholes, backs = [], []
+        wholes: list[Any] = []
+        backs: list[Any] = []
         for key, piece in zip(keys, pieces, strict=True):
             if key is None or piece is None:
                 wholes.append(piece)

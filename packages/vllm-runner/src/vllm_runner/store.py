@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,6 +20,38 @@ from vllm_runner.settings import FALLBACK_DEVICE_SAVES_MIB
 
 # Values without a token axis (the attention pattern) are stored whole under this position.
 WHOLE = -1
+
+#: Which positions of a saved name are kept: `position -> bool`, or `None` for every one.
+Keep = Callable[[int], bool] | None
+
+
+class Chunk(list[Any]):
+    """`[first, rows]`: the rows one step saved for one value, from absolute position `first`.
+    A list, so that `host_copies` swaps its rows for host ones in place (`chunk[1]`)."""
+
+    __slots__ = ()
+
+    def __init__(self, first: int, rows: torch.Tensor) -> None:
+        super().__init__((first, rows))
+
+    @property
+    def first(self) -> int:
+        """The absolute position of the first row."""
+        return int(self[0])
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The rows, along the value's tokens axis."""
+        return self[1]  # type: ignore[no-any-return]
+
+
+class ToCollect(NamedTuple):
+    """A finished request to collect: how many positions belong to its final output, and per
+    saved name which positions its ops keep."""
+
+    program_id: str
+    computed: int
+    wanted: dict[str, Keep]
 
 
 class SaveStore:
@@ -31,13 +63,13 @@ class SaveStore:
     together (`spill`), and the rest at collection, in batched copies (`host_copies`)."""
 
     def __init__(self) -> None:
-        # key -> location -> [[first absolute position, rows along the token axis]]
-        self._chunks: dict[str, dict[str, list[list[Any]]]] = defaultdict(
+        # program id -> location -> the chunks saved, in the order they were saved
+        self._chunks: dict[str, dict[str, list[Chunk]]] = defaultdict(
             lambda: defaultdict(list))
         self._axes: dict[tuple[str, str], int | None] = {}
         self._errors: dict[str, str] = {}
-        self._device_bytes: dict[str, int] = defaultdict(int)  # per key, saves on a device
-        self._spilled: set[str] = set()  # keys with chunks moved to the host by `spill`
+        self._device_bytes: dict[str, int] = defaultdict(int)  # per program_id, saves on a device
+        self._spilled: set[str] = set()  # program_ids with chunks moved to the host by `spill`
         self._staging: torch.Tensor | None = None  # made at the first move from a device
         self._device: torch.device | None = None  # where device saves are (one per worker)
         self._automatic_limit: int | None = None  # see `spill`
@@ -47,55 +79,55 @@ class SaveStore:
         """Bytes of saves held on a device (a GPU) now: what `spill` compares to its limit."""
         return sum(self._device_bytes.values())
 
-    def fail(self, key: str, message: str) -> None:
-        """Record why `key`'s program failed (the first failure is kept)."""
-        self._errors.setdefault(key, message)
+    def fail(self, program_id: str, message: str) -> None:
+        """Record why `program_id`'s program failed (the first failure is kept)."""
+        self._errors.setdefault(program_id, message)
 
     @property
     def any_failed(self) -> bool:
         """Whether some program failed and was not collected yet."""
         return bool(self._errors)
 
-    def failed(self, key: str) -> bool:
-        """Whether `key`'s program has failed (it is served no more)."""
-        return key in self._errors
+    def failed(self, program_id: str) -> bool:
+        """Whether `program_id`'s program has failed (it is served no more)."""
+        return program_id in self._errors
 
-    def error(self, key: str) -> str | None:
-        """Why `key`'s program failed, or `None`; forgotten once read."""
-        return self._errors.pop(key, None)
+    def error(self, program_id: str) -> str | None:
+        """Why `program_id`'s program failed, or `None`; forgotten once read."""
+        return self._errors.pop(program_id, None)
 
-    def save(self, key: str, location: str, first_position: int, value: torch.Tensor,
+    def save(self, program_id: str, location: str, first_position: int, value: torch.Tensor,
              token_axis: int | None) -> None:
-        """Keep `value` for `key`: rows from `first_position` on along `token_axis`, or the
+        """Keep `value` for `program_id`: rows from `first_position` on along `token_axis`, or the
         whole value (no token axis: the attention pattern). It must not change afterwards (a
         private copy, or a slice of one)."""
-        self._axes[(key, location)] = token_axis
-        chunks = self._chunks[key][location]
+        self._axes[(program_id, location)] = token_axis
+        chunks = self._chunks[program_id][location]
         if host_copies.on_a_device(value):
-            self._device_bytes[key] += value.numel() * value.element_size()
+            self._device_bytes[program_id] += value.numel() * value.element_size()
             self._device = value.device
         if token_axis is None:
             for _, replaced in chunks:
                 if host_copies.on_a_device(replaced):
-                    self._device_bytes[key] -= replaced.numel() * replaced.element_size()
-            chunks[:] = [[WHOLE, value]]
+                    self._device_bytes[program_id] -= replaced.numel() * replaced.element_size()
+            chunks[:] = [Chunk(WHOLE, value)]
             return
-        chunks.append([first_position, value])
+        chunks.append(Chunk(first_position, value))
 
     def save_rows(self, location: str, token_axis: int,
                   owners: list[tuple[str, int]], values: list[torch.Tensor]) -> None:
         """`save` for many requests at one location: `values[i]` are the rows of
-        `owners[i] = (key, first position)` (one loop, for requests served together; the
+        `owners[i] = (program_id, first position)` (one loop, for requests served together; the
         values come from one read, so all are on one device)."""
         chunks, axes, device_bytes = self._chunks, self._axes, self._device_bytes
         size = values[0].element_size() if values and host_copies.on_a_device(values[0]) else 0
         if size:
             self._device = values[0].device
-        for (key, first_position), value in zip(owners, values, strict=True):
-            axes[(key, location)] = token_axis
-            chunks[key][location].append([first_position, value])
+        for (program_id, first_position), value in zip(owners, values, strict=True):
+            axes[(program_id, location)] = token_axis
+            chunks[program_id][location].append(Chunk(first_position, value))
             if size:
-                device_bytes[key] += value.numel() * size
+                device_bytes[program_id] += value.numel() * size
 
     def spill(self, limit: int | None) -> None:
         """Move every save held on a device to the host if together they exceed `limit` bytes
@@ -112,21 +144,21 @@ class SaveStore:
         if self.device_bytes <= limit:
             return
         mover = host_copies.ToHost(self._staging_buffer)
-        for key in list(self._device_bytes):
-            self._to_host(key, mover)
+        for program_id in list(self._device_bytes):
+            self._to_host(program_id, mover)
         mover.flush()
 
-    def _to_host(self, key: str, mover: host_copies.ToHost) -> None:
-        """Queue `key`'s device chunks on `mover`, joined where positions follow on."""
-        for location, chunks in self._chunks.get(key, {}).items():
-            axis = self._axes.get((key, location))
+    def _to_host(self, program_id: str, mover: host_copies.ToHost) -> None:
+        """Queue `program_id`'s device chunks on `mover`, joined where positions follow on."""
+        for location, chunks in self._chunks.get(program_id, {}).items():
+            axis = self._axes.get((program_id, location))
             if axis is not None:
                 chunks[:] = _joined(chunks, axis)
             for chunk in chunks:
                 if host_copies.on_a_device(chunk[1]):
                     mover.add(chunk, 1)
-        self._device_bytes.pop(key, None)
-        self._spilled.add(key)
+        self._device_bytes.pop(program_id, None)
+        self._spilled.add(program_id)
 
     def _limit_from_free_memory(self) -> int:
         if self._automatic_limit is None:
@@ -140,9 +172,9 @@ class SaveStore:
             self._staging = host_copies.staging_buffer()
         return self._staging
 
-    def collect(self, requests: list[tuple[str, int, dict[str, Callable[[int], bool] | None]]]
+    def collect(self, requests: list[ToCollect]
                 ) -> dict[str, dict[str, torch.Tensor]]:
-        """Everything saved for each `(key, computed, wanted)`, in position order, below
+        """Everything saved for each `ToCollect`, in position order, below
         position `computed`, on the host (the client's process may have no GPU, or another one),
         each tensor in memory of its own.
 
@@ -153,41 +185,43 @@ class SaveStore:
         mover = host_copies.ToHost(self._staging_buffer)
         # A request with chunks on the host already (spilled) and on a device: all to the host
         # before joining (one tensor cannot join chunks of two devices).
-        for key in [key for key, _, _ in requests if key in self._spilled]:
-            if key in self._device_bytes:  # saved on a device since (maybe zero bytes)
-                self._to_host(key, mover)
+        for program_id in [request.program_id for request in map(ToCollect._make, requests)
+                           if request.program_id in self._spilled]:
+            if program_id in self._device_bytes:  # saved on a device since (maybe zero bytes)
+                self._to_host(program_id, mover)
         mover.flush()
         found: dict[str, dict[str, torch.Tensor]] = {}
-        for key, computed, wanted in requests:
-            found[key] = self._rows(key, computed, wanted)
-            mover.add_all(found[key])  # request by request: at most a batch is joined at a time
+        for program_id, computed, wanted in map(ToCollect._make, requests):
+            found[program_id] = self._rows(program_id, computed, wanted)
+            # Request by request: at most a batch is joined at a time.
+            mover.add_all(found[program_id])
         mover.flush()
         return found
 
-    def _rows(self, key: str, computed: int,
-              wanted: dict[str, Callable[[int], bool] | None]) -> dict[str, torch.Tensor]:
-        """`key`'s saves in position order, where they were saved (host or GPU)."""
-        self._forget(key)
+    def _rows(self, program_id: str, computed: int,
+              wanted: dict[str, Keep]) -> dict[str, torch.Tensor]:
+        """`program_id`'s saves in position order, where they were saved (host or GPU)."""
+        self._forget(program_id)
         result: dict[str, torch.Tensor] = {}
-        for location, chunks in self._chunks.pop(key, {}).items():
-            axis = self._axes.pop((key, location), None)
+        for location, chunks in self._chunks.pop(program_id, {}).items():
+            axis = self._axes.pop((program_id, location), None)
             if axis is None:
                 result[location] = chunks[0][1]
                 continue
             result[location] = _in_position_order(chunks, axis, computed, wanted[location])
         return result
 
-    def _forget(self, key: str) -> None:
-        self._device_bytes.pop(key, None)
-        self._spilled.discard(key)
+    def _forget(self, program_id: str) -> None:
+        self._device_bytes.pop(program_id, None)
+        self._spilled.discard(program_id)
 
-    def drop(self, keys: list[str]) -> None:
-        """Free what `keys` saved (aborted or abandoned requests)."""
-        for key in keys:
-            self._errors.pop(key, None)
-            self._forget(key)
-            for location in self._chunks.pop(key, {}):
-                self._axes.pop((key, location), None)
+    def drop(self, program_ids: list[str]) -> None:
+        """Free what `program_ids` saved (aborted or abandoned requests)."""
+        for program_id in program_ids:
+            self._errors.pop(program_id, None)
+            self._forget(program_id)
+            for location in self._chunks.pop(program_id, {}):
+                self._axes.pop((program_id, location), None)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -200,7 +234,7 @@ def free_device_bytes(device: torch.device | None) -> int | None:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def _joined(chunks: list[list[Any]], axis: int) -> list[list[Any]]:
+def _joined(chunks: list[Chunk], axis: int) -> list[Chunk]:
     """`chunks` with each run of device chunks whose positions follow on joined into one, in the
     same order (so a later chunk still wins over an earlier one). Host chunks are left as they
     are (joining them again at every spill would copy a request's history over and over), and a
@@ -218,12 +252,12 @@ def _joined(chunks: list[list[Any]], axis: int) -> list[list[Any]]:
             runs[-1][3].append(rows)
         else:
             runs.append([first, first + rows.shape[axis], size, [rows]])
-    return [[first, parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis)]
+    return [Chunk(first, parts[0] if len(parts) == 1 else torch.cat(parts, dim=axis))
             for first, _, _, parts in runs]
 
 
-def _in_position_order(chunks: list[list[Any]], axis: int, computed: int,
-                       keep: Callable[[int], bool] | None) -> torch.Tensor:
+def _in_position_order(chunks: list[Chunk], axis: int, computed: int,
+                       keep: Keep) -> torch.Tensor:
     """The chunks' rows by absolute position, a later chunk's row winning (preemption
     recomputes from position 0; a repeated step rewrites its rows); no rows (an empty token
     axis) when none is kept, e.g. positions the request never reached."""

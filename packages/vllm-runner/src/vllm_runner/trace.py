@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tokenspan import ReadMode
 
 from vllm_runner import ops
 from vllm_runner.errors import InterventionError
@@ -24,9 +25,9 @@ from vllm_runner.errors import InterventionError
 class Saved:
     """What `.save()` (or `.lens()`) hands back: filled in when the trace block ends."""
 
-    def __init__(self, pattern: str, keys: tuple[str, ...] = ()) -> None:
+    def __init__(self, pattern: str, op: ops.Op) -> None:
         self.pattern = pattern
-        self._keys = keys
+        self._op = op
         self._value: Any = None
         self._ready = False
 
@@ -40,10 +41,8 @@ class Saved:
         return self._value
 
     def _fill(self, saved: dict[str, torch.Tensor], resolved: list[str]) -> None:
-        found = {key: saved[key] for location in resolved
-                 for key in ((location,) if not self._keys else
-                             tuple(f"{location}.{suffix}" for suffix in self._keys))
-                 if key in saved}
+        found = {name: saved[name] for location in resolved
+                 for name in self._op.saved_names(location) if name in saved}
         self._value = next(iter(found.values())) if len(found) == 1 else found
         self._ready = True
 
@@ -82,13 +81,12 @@ class Node:
 
     def save(self, **where: Any) -> Saved:
         """Save this value (see `ops.Save`; `positions=`, `steps=` filter)."""
-        return self._trace._saved(ops.Save(self._location, **where), self._location)
+        return self._trace._saved(ops.Save(self._location, **where))
 
     def lens(self, top_k: int = 10, **where: Any) -> Saved:
         """Logit-lens this residual value (see `ops.Lens`); the value is a dict of
         `...lens_tokens` and `...lens_probs`."""
-        return self._trace._saved(ops.Lens(self._location, top_k, **where), self._location,
-                                  ("lens_tokens", "lens_probs"))
+        return self._trace._saved(ops.Lens(self._location, top_k, **where))
 
     def add(self, vector: torch.Tensor, scale: float = 1.0, **where: Any) -> None:
         """Add `scale * vector` (see `ops.Add`)."""
@@ -110,7 +108,7 @@ class Node:
         """Remove the component along `direction` (see `ops.ProjectOut`)."""
         self._trace._ops.append(ops.ProjectOut(self._location, direction, **where))
 
-    def call(self, fn: Any, reads: str | None = None) -> None:
+    def call(self, fn: Any, reads: ReadMode | None = None) -> None:
         """Run `fn(value, ctx)` in the worker (see `ops.Call`)."""
         self._trace._ops.append(ops.Call(self._location, fn, reads))
 
@@ -135,9 +133,9 @@ class Trace:
         self.model = Node(self, "")
         self.output: Any = None
 
-    def _saved(self, op: ops.Op, pattern: str, keys: tuple[str, ...] = ()) -> Saved:
+    def _saved(self, op: ops.Op) -> Saved:
         self._ops.append(op)
-        saved = Saved(pattern, keys)
+        saved = Saved(op.location, op)
         self._saves.append(saved)
         return saved
 

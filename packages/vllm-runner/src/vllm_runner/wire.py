@@ -13,24 +13,24 @@ from typing import Any
 
 import torch
 
-# One collection: request key -> {"error": str | None, "saved": {location: tensor}}.
+# One collection: program id -> {"error": str | None, "saved": {location: tensor}}.
 Collected = dict[str, dict[str, Any]]
 
 
 def encode(collected: Collected) -> Collected:
     """`collected` with each host tensor replaced by `[dtype name, shape, raw bytes]`."""
-    return {key: {"error": result["error"],
-                  "saved": {location: _encode_tensor(tensor)
-                            for location, tensor in result["saved"].items()}}
-            for key, result in collected.items()}
+    return {program_id: {"error": result["error"],
+                         "saved": {location: _encode_tensor(tensor)
+                                   for location, tensor in result["saved"].items()}}
+            for program_id, result in collected.items()}
 
 
 def decode(data: Collected) -> Collected:
     """The inverse of `encode`: each request's tensors, each in memory of its own."""
-    return {key: {"error": result["error"],
-                  "saved": {location: _decode_tensor(*encoded)
-                            for location, encoded in result["saved"].items()}}
-            for key, result in data.items()}
+    return {program_id: {"error": result["error"],
+                         "saved": {location: _decode_tensor(*encoded)
+                                   for location, encoded in result["saved"].items()}}
+            for program_id, result in data.items()}
 
 
 def _encode_tensor(tensor: torch.Tensor) -> list[Any]:

@@ -1,0 +1,63 @@
+"""Forward hooks on exactly the modules this step's programs name; unwanted places cost nothing.
+
+A value on a module's input side is served by a forward pre-hook (it sees `HookArgs`), one on
+its output side by a forward hook. Every sampled-row value is served by one hook on the logits
+processor (`SAMPLER_HOOK`), so reads of the logits always follow their edits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from vllm_envoys import HookArgs, Value
+
+from vllm_runner.step_plan import PER_SAMPLED_ROW
+
+SAMPLER_HOOK = "logits"
+
+#: `(location, value, raw)`: called at every visit of a hooked value.
+OnVisit = Callable[[str, Value, Any], None]
+
+
+def hooked_at(location: str) -> str:
+    """The location whose hook serves `location`."""
+    return SAMPLER_HOOK if location in PER_SAMPLED_ROW else location
+
+
+class Hooks:
+    """The hooks installed now, one per hooked location, calling `on_visit` when they fire."""
+
+    def __init__(self, values: dict[str, Value], on_visit: OnVisit) -> None:
+        self._values = values
+        self._on_visit = on_visit
+        self._installed: dict[str, RemovableHandle] = {}
+
+    def sync(self, wanted: Iterable[str]) -> None:
+        """Install hooks for the `wanted` locations (served at `hooked_at`), remove the rest."""
+        # An ordered dict, never a set: hooks on one module fire in installation order, and
+        # under tensor parallelism every rank must run its gathers in the same order (a set's
+        # order follows string hashes, which differ between processes).
+        hooked = dict.fromkeys(hooked_at(location) for location in wanted)
+        for location in [location for location in self._installed if location not in hooked]:
+            self._installed.pop(location).remove()
+        for location in hooked:
+            if location not in self._installed:
+                self._installed[location] = self._install(self._values[location])
+
+    def _install(self, value: Value) -> RemovableHandle:
+        location, on_visit = value.location, self._on_visit
+        if value.side == "input":
+            def pre_hook(module: nn.Module, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> None:
+                on_visit(location, value, HookArgs(args, kwargs))
+            return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            on_visit(location, value, output)
+        return value.module.register_forward_hook(hook)
+
+    def __len__(self) -> int:
+        return len(self._installed)

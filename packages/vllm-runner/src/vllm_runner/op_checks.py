@@ -1,0 +1,92 @@
+"""Checks of an op's arguments when it is made, and of an edit's result before it is written.
+
+An op is checked where the user makes it (a clear error at their line, naming the op), and
+again where a worker decodes it from the wire: both build the same class.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Any, Literal, get_args
+
+import torch
+
+Steps = Literal["all", "prefill", "decode"]
+STEPS: tuple[str, ...] = get_args(Steps)
+
+
+def op_name(op: Any) -> str:
+    """`Save('layers.0.layer_output')`: how errors name an op."""
+    return f"{type(op).__name__}({op.location!r})"
+
+
+def non_finite(tensor: torch.Tensor, on_logits: bool) -> int:
+    """How many values of `tensor` are NaN or infinite — except `-inf` on the logits, which
+    bans a token and touches nothing the engine keeps."""
+    bad = ~torch.isfinite(tensor)
+    if on_logits:
+        bad &= tensor != float("-inf")
+    return int(bad.sum())
+
+
+def check_where(op: Any) -> None:
+    """Refuse `steps` outside `STEPS` and `positions` that are not a sequence of whole numbers,
+    naming the op (a typo such as `steps="sometimes"` would otherwise act as `"all"`)."""
+    if op.steps not in STEPS:
+        raise ValueError(f"{op_name(op)}: steps={op.steps!r} must be one of {', '.join(STEPS)}")
+    positions = op.positions
+    if positions is not None and (not isinstance(positions, (tuple, list, range)) or not all(
+            isinstance(p, Integral) and not isinstance(p, bool) for p in positions)):
+        raise ValueError(f"{op_name(op)}: positions={positions!r} must be a tuple of whole "
+                         "numbers (absolute, or negative from the end of the prompt), e.g. "
+                         "(-1,)")
+
+
+def check_tensor(op: Any, field_name: str) -> None:
+    """Refuse a tensor argument that is not a real tensor or holds NaN or infinity: a
+    non-finite vector makes every value it touches non-finite (e.g. a direction normalised
+    from a zero vector)."""
+    tensor = getattr(op, field_name)
+    if not isinstance(tensor, torch.Tensor) or tensor.is_complex():
+        raise TypeError(f"{op_name(op)}: {field_name} must be a real-valued torch.Tensor, not "
+                        f"{type(tensor).__name__}" + (" (complex)" if isinstance(
+                            tensor, torch.Tensor) else ""))
+    if tensor.is_floating_point():
+        # As it travels: float32 (`op_data.tensor_to_data`), where a float64 1e300 is infinite.
+        bad = non_finite(tensor.detach().float(), op.location == "logits")
+        if bad:
+            raise ValueError(f"{op_name(op)}: {field_name} holds {bad} non-finite values (NaN "
+                             f"or infinity, or beyond float32's range) of {tensor.numel()}; was "
+                             "it normalised from a zero vector?")
+
+
+def check_number(op: Any, field_name: str) -> None:
+    """Refuse a scale or factor that is not a finite real number."""
+    number = getattr(op, field_name)
+    if isinstance(number, bool) or not isinstance(number, Real):
+        raise TypeError(f"{op_name(op)}: {field_name} must be a number, not "
+                        f"{type(number).__name__}")
+    if not math.isfinite(float(number)):
+        raise ValueError(f"{op_name(op)}: {field_name}={number!r} is not finite")
+
+
+def check_whole_numbers(op: Any, field_name: str, what: str) -> None:
+    """Refuse a field that is not a tuple of whole numbers, 0 or more (head indices)."""
+    numbers = getattr(op, field_name)
+    if numbers is not None and (not isinstance(numbers, (tuple, list)) or not all(
+            isinstance(n, Integral) and not isinstance(n, bool) and int(n) >= 0
+            for n in numbers)):
+        raise ValueError(f"{op_name(op)}: {field_name}={numbers!r} must be a tuple of {what} "
+                         "(0 or more)")
+
+
+def refuse_non_finite(edited: Any, what: str, location: str) -> None:
+    """Raise if an edit's result holds NaN or infinity (`-inf` on the logits bans a token and is
+    allowed), before it is written: written into the engine's rows it would spread through the
+    request's later layers and its KV cache."""
+    if isinstance(edited, torch.Tensor) and edited.is_floating_point():
+        bad = non_finite(edited, location == "logits")
+        if bad:
+            raise ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of "
+                             f"{edited.numel()}; nothing was written")

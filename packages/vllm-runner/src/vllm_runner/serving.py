@@ -1,0 +1,220 @@
+"""Serving one hook visit: every waiting request's op on its own rows, alone or together.
+
+Pure torch over plain data (a `StepLayout`, the step's wants, the value as the hook saw it):
+nothing here knows the engine, so each piece is tested with small tensors. Edits are written
+into the engine's tensors in place (`tokenspan.widen`), only on the request's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from tokenspan import ReadMode, RunRead, Span, StepLayout, narrow, widen
+from vllm_envoys import Step, Value
+
+from vllm_runner.op_checks import refuse_non_finite
+from vllm_runner.ops import EditOp, Op
+from vllm_runner.store import SaveStore
+
+
+@dataclass(frozen=True)
+class Want:
+    """One request waiting for one op at one kind of visit this step."""
+
+    request_id: str
+    program_id: str
+    span: Span
+    step: Step
+    op: Op
+
+
+#: One planned read of a group and each piece's owner: (program id, first position).
+PlannedRead = tuple[RunRead, list[tuple[str, int]]]
+
+
+class OpGroup(list[Want]):
+    """The wants of one op of one program this step (requests running the same program), and
+    `reads`: how a save reads them all, made at the group's first visit — a group saving every
+    layer visits as many locations as there are layers, with the same rows."""
+
+    __slots__ = ("reads",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[PlannedRead] | None = None
+
+
+@dataclass(frozen=True)
+class Visits:
+    """The rows of one kind of visit this step (tokens, or sampled rows) and who waits there:
+    per canonical location, the groups of wants, one group per op of one program."""
+
+    layout: StepLayout
+    wants: dict[str, list[OpGroup]] = field(default_factory=dict)
+
+
+class LogitLens(Protocol):
+    """`(rows, top_k) -> (probabilities, tokens)`: the model's next-token top-k of residual
+    rows `[1, tokens, hidden]`, each `[tokens, top_k]`."""
+
+    def __call__(self, rows: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class Services:
+    """What ops use while they serve: where saves go, the lens, the read mode of `Call`s, and
+    a skipped layer's input rows within one forward (per program id and layer)."""
+
+    store: SaveStore
+    lens: LogitLens
+    reads: ReadMode = "lease"
+    keeps_saves: bool = True
+    skipped: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One request's op at one hook visit: what `Op.serve` works on."""
+
+    want: Want
+    value: Value
+    raw: Any  # what the hook saw (made whole under tensor parallelism)
+    rows: Any  # the request's rows of `raw`
+    layout: StepLayout
+    token_axis: int | None
+    services: Services
+
+    @property
+    def location(self) -> str:
+        """The canonical location visited."""
+        return self.value.location
+
+    def read(self) -> torch.Tensor:
+        """The request's value as read (a private copy)."""
+        return self.value.read(self.rows, self.want.step)
+
+    def write(self, edited: torch.Tensor) -> None:
+        """Write the request's edited value into the engine's rows."""
+        widen(self.raw, self.want.span, self.layout,
+              self.value.write(self.rows, edited, self.want.step))
+
+
+def token_axis_of(value: Value) -> int | None:
+    """The axis of the value (as read) that runs along tokens, if it has one."""
+    layout = value.eproperty.layout
+    return layout.index("tokens") if "tokens" in layout else None
+
+
+def serve(value: Value, raw: Any, visits: Visits, services: Services) -> None:
+    """Run every op waiting at `value`'s location on its requests' rows: groups of requests
+    running the same save or edit together where that is the same, the rest one by one."""
+    layout = visits.layout
+    token_axis = token_axis_of(value)
+    for members in visits.wants[value.location]:
+        if len(members) > 1 and serve_together(value, raw, members, layout, token_axis,
+                                               services):
+            continue
+        for want in members:
+            serve_one(want, value, raw, layout, token_axis, services)
+
+
+def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis: int | None,
+              services: Services) -> None:
+    """Run one request's op on its own rows; a failure fails that request only."""
+    store = services.store
+    if value.reason(want.step) is not None or store.failed(want.program_id):
+        return  # e.g. the pattern outside a whole-prompt step; a program failed earlier
+    try:
+        rows = narrow(raw, want.span, layout)
+        want.op.serve(Visit(want, value, raw, rows, layout, token_axis, services))
+    except Exception as error:  # one request's failure must not stop the engine
+        store.fail(want.program_id, f"{want.op.kind} at {value.location}: "
+                                    f"{type(error).__name__}: {error}"
+                                    f"{want.op.failure_detail(error)}")
+
+
+def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+                   token_axis: int | None, services: Services) -> bool:
+    """Serve a group of requests running the same save or edit with one read (and one write)
+    per run of adjacent rows instead of one per request; `False` leaves them to `serve_one`,
+    which also gives each request its own error if something fails.
+
+    Per-request reads cost more than the copies themselves once a step holds dozens of requests
+    (on a GPU the step is a few milliseconds). Only for values read row by row
+    (`Codec.rowwise`) and ops that treat every row alike (no `positions` or `steps`)."""
+    op = members[0].op
+    codec = value.eproperty.codec
+    store = services.store
+    if (token_axis is None or codec is None or not codec.rowwise or not op.shares_rows()
+            or (store.any_failed and any(store.failed(want.program_id) for want in members))
+            or not _served_at_every_step(value, members)):
+        return False
+    if isinstance(op, EditOp):
+        return _edit_together(op, value, raw, members, layout, token_axis, store)
+    return not services.keeps_saves or _save_together(value, raw, members, layout, token_axis,
+                                                      store)
+
+
+def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+                   token_axis: int, store: SaveStore) -> bool:
+    """One read per planned run of rows (`tokenspan.Selection.reads`), cut into the members'
+    rows and kept for each."""
+    step = members[0].step  # rowwise values serve every step alike
+    plan = _reading_plan(members, layout)
+    try:
+        reads = [value.read(narrow(raw, run.span, layout), step) for run, _ in plan]
+    except Exception:
+        return False
+    for (run, owners), whole in zip(plan, reads, strict=True):
+        store.save_rows(value.location, token_axis, owners, run.pieces(whole, token_axis))
+    return True
+
+
+def _reading_plan(members: OpGroup, layout: StepLayout) -> list[PlannedRead]:
+    """Where to read a group's value this step, and each piece's owner (program id, first
+    position), made at the group's first visit and kept with it."""
+    if members.reads is None:
+        by_request = {want.request_id: want for want in members}
+        members.reads = [
+            (run, [(by_request[str(key)].program_id, by_request[str(key)].span.first_position)
+                   for key in run.keys])
+            for run in layout.select(list(by_request)).reads()]
+    return members.reads
+
+
+def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+                   token_axis: int, store: SaveStore) -> bool:
+    """One read, edit and write per run of adjacent rows; nothing is written unless every run
+    was edited."""
+    step = members[0].step
+    writes = []
+    try:
+        for start, stop in layout.select([want.request_id for want in members]).runs:
+            run = Span(start, stop)
+            rows = narrow(raw, run, layout)
+            current = value.read(rows, step)
+            if not op.same_on_every_row(current, token_axis):
+                return False
+            edited = op.edited(current, value.eproperty.layout)
+            refuse_non_finite(edited, f"the {op.kind}", value.location)
+            writes.append((run, value.write(rows, edited, step)))
+    except Exception:
+        return False  # nothing written yet: served one by one, each with its own error
+    try:
+        for run, new_rows in writes:
+            widen(raw, run, layout, new_rows)
+    except Exception as error:
+        for want in members:
+            store.fail(want.program_id, f"{op.kind} at {value.location}: "
+                                        f"{type(error).__name__}: {error}")
+    return True
+
+
+def _served_at_every_step(value: Value, members: list[Want]) -> bool:
+    """Whether `value` can be served at each member's step. Most values say so once, whatever
+    the step; only a step-dependent reason (a callable) is asked member by member."""
+    if not callable(value.eproperty.unavailable):
+        return value.eproperty.unavailable is None
+    return all(value.reason(want.step) is None for want in members)

@@ -1,0 +1,159 @@
+"""The engine adapter for vLLM's V1 model runner: the only code that reads its private state.
+
+Checked against the vLLM releases in `vllm_runner.compat.CHECKED_VLLM` (`GPUModelRunner`,
+which `CPUModelRunner` subclasses). `attach` swaps the runner's class for one with `RunnerMixin`
+in front: `load_model` builds the runtime, `_update_states` zeroes reused KV blocks, and
+`_model_forward` — which vLLM documents as the method subclasses may override, and which its
+profiling and dummy runs do not call — brackets every real forward with the step's plan.
+
+What is read, per step: the request order `input_batch.req_ids[:num_reqs]` after the runner's
+own state update; request i owns rows `query_start_loc.np[i]:[i+1]`, and its first row's
+absolute position is `positions[query_start_loc[i]]`; each request's program travels in
+`requests[id].sampling_params.extra_args`. The runtime gets plain data: a `StepLayout` and the
+decoded programs in step order. A second runner (V2) is a second adapter like this one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tokenspan import StepLayout
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
+
+from vllm_runner.compat import check_runner
+from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
+from vllm_runner.program import program_data
+from vllm_runner.runtime import Runtime
+from vllm_runner.settings import device_saves_limit, read_mode
+from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
+
+
+def _extra_args(state: Any) -> dict[str, Any] | None:
+    params = getattr(state, "sampling_params", None)
+    return params.extra_args if params is not None else None
+
+
+def scheduled_step(runtime: Runtime, runner: Any,
+                   positions: torch.Tensor) -> tuple[StepLayout, list[ScheduledRequest]]:
+    """This step's layout and its requests that run a program, in step order (no layout is
+    built for a step without programs)."""
+    batch = runner.input_batch
+    count = batch.num_reqs
+    request_ids = batch.req_ids[:count]
+    scheduled = []
+    for request_id in request_ids:
+        state = runner.requests.get(request_id)
+        data = program_data(_extra_args(state))
+        if data is None:
+            continue
+        prompt_length = len(state.prompt_token_ids)
+        program = runtime.program(data, prompt_length)
+        if program is not None:
+            scheduled.append(ScheduledRequest(request_id, program, prompt_length))
+    if not scheduled:
+        return NO_ROWS, scheduled
+    offsets = runner.query_start_loc.np[: count + 1]
+    firsts = positions.index_select(0, torch.as_tensor(offsets[:-1], dtype=torch.long,
+                                                       device=positions.device)).tolist()
+    layout = StepLayout.from_offsets(request_ids, offsets, firsts,
+                                     padded_total=int(positions.shape[0]))
+    return layout, scheduled
+
+
+class RunnerMixin:
+    """Put in front of vLLM's V1 model runner class by `attach`."""
+
+    interp: Runtime
+    interp_written: WrittenBlocks
+    interp_editing: set[str]
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_model(*args, **kwargs)  # type: ignore[misc]
+        model = self.get_model()  # type: ignore[attr-defined]
+        fragments, rank = _tensor_parallel(model)
+        # Read at load, in the worker's own process: see `vllm_runner.llm.LLM`'s settings.
+        self.interp = Runtime(model, self.model_config.hf_config,  # type: ignore[attr-defined]
+                              fragments, rank, reads=read_mode(),
+                              device_saves_limit=device_saves_limit())
+        self.interp_written = WrittenBlocks()
+        self.interp_editing = set()  # requests whose programs edit (their blocks are marked)
+        return result
+
+    def _update_states(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's state update, then: zero the blocks handed out this step that an editing
+        request held (`kv_blocks`), before the forward writes into them, and remember the
+        blocks editing requests hold now. Nothing to do while no request ever edited."""
+        for new in scheduler_output.scheduled_new_reqs:
+            data = program_data(_extra_args(new))
+            if data is not None and self.interp.edits(data):
+                self.interp_editing.add(new.req_id)
+        result = super()._update_states(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+        if self.interp_written:
+            handed_out = [block for new in scheduler_output.scheduled_new_reqs
+                          for group in new.block_ids for block in group]
+            handed_out += [block for ids in scheduler_output.scheduled_cached_reqs.new_block_ids
+                           if ids is not None for group in ids for block in group]
+            if reused := self.interp_written.reused(handed_out):
+                self._interp_zero_blocks(reused)
+        if self.interp_editing:
+            self.interp_editing.difference_update(scheduler_output.finished_req_ids)
+            requests = self.requests  # type: ignore[attr-defined]
+            for request_id in self.interp_editing:
+                state = requests.get(request_id)
+                if state is not None:
+                    self.interp_written.held_by_editing(
+                        block for group in state.block_ids for block in group)
+        return result
+
+    def _interp_zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero KV-cache blocks in every attention layer: with the GPU runner's own kernel
+        (built on first use: vLLM builds it only for caches that always need it), else along
+        each layer cache's blocks axis (`kv_blocks.zero_blocks`) — the CPU runner's own zeroing
+        covers full-attention layers only, and releases before 0.32 have none."""
+        runner: Any = self
+        gpu_zeroing = getattr(V1ModelRunner, "_zero_block_ids", None)
+        if gpu_zeroing is None or type(runner)._zero_block_ids is not gpu_zeroing:
+            zero_blocks(_layer_caches(runner), runner.kv_cache_config.num_blocks, block_ids)
+            return
+        if not hasattr(runner, "_kv_block_zeroer"):
+            runner._init_kv_zero_meta()
+        runner._zero_block_ids(block_ids)
+
+    def _model_forward(self, input_ids: Any = None, positions: Any = None,
+                       intermediate_tensors: Any = None, inputs_embeds: Any = None,
+                       **model_kwargs: Any) -> Any:
+        self.interp.begin_step(*scheduled_step(self.interp, self, positions))
+        try:
+            return super()._model_forward(  # type: ignore[misc]
+                input_ids=input_ids, positions=positions,
+                intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,
+                **model_kwargs)
+        finally:
+            self.interp.end_step()
+
+
+def _layer_caches(runner: Any) -> list[torch.Tensor]:
+    """Each attention layer's KV-cache tensor (vLLM's static forward context), once each."""
+    found: dict[int, torch.Tensor] = {}
+    for context in runner.compilation_config.static_forward_context.values():
+        caches = getattr(context, "kv_cache", None)
+        for cache in caches if isinstance(caches, (list, tuple)) else [caches]:
+            if isinstance(cache, torch.Tensor) and cache.numel():
+                found.setdefault(cache.data_ptr(), cache)
+    return list(found.values())
+
+
+def _tensor_parallel(model: Any) -> tuple[Any, int]:
+    """The model's sharded values (`tpfragments`) and this worker's tensor-parallel rank."""
+    from tpfragments.vllm import fragments_for, tp_group
+
+    group = tp_group()
+    return (fragments_for(model, group) if group.size > 1 else None), group.rank
+
+
+def attach(runner: Any) -> None:
+    """Swap `runner`'s class for one with `RunnerMixin` in front; refuse runners not checked."""
+    check_runner(runner, V1ModelRunner)
+    base = type(runner)
+    runner.__class__ = type(f"Interp{base.__name__}", (RunnerMixin, base), {})

@@ -1,0 +1,52 @@
+"""Small stand-ins for the runtime's unit tests: a value over a plain torch module, the step
+plan of a few requests, and the serving services — no engine anywhere."""
+
+from __future__ import annotations
+
+import torch
+from tokenspan import StepLayout
+from torch import nn
+from vllm_envoys import EProperty, Host, Rows, Value
+from vllm_envoys.layouts import RESIDUAL
+from vllm_envoys.sites import Output
+from vllm_runner.ops import Op
+from vllm_runner.program import Program
+from vllm_runner.serving import Services
+from vllm_runner.step_plan import ScheduledRequest
+from vllm_runner.store import SaveStore
+
+HIDDEN = 4
+
+
+class Toy(nn.Module):
+    """A layer whose output is its input plus one: `[tokens, hidden]` rows, as vLLM's are."""
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows + 1
+
+
+def residual_value(module: nn.Module, location: str = "layers.0") -> Value:
+    """The `layer_output` value of `module`: its whole output, served as `[1, tokens, hidden]`."""
+    prop = EProperty(Output(), Rows(), RESIDUAL, "a toy layer's output")
+    prop.__set_name__(Host, "layer_output")
+    return Value(Host(module, location), prop)
+
+
+def layout_of(counts: list[int], firsts: list[int] | None = None) -> StepLayout:
+    """Requests `r0, r1, ...` back to back, with `counts` rows from `firsts` (default 0)."""
+    keys = [f"r{i}" for i in range(len(counts))]
+    return StepLayout.from_counts(keys, counts, firsts or [0] * len(counts))
+
+
+def scheduled(layout: StepLayout, ops: list[Op], digest: str = "same",
+              prompt_length: int = 100) -> list[ScheduledRequest]:
+    """Every request of `layout` running `ops` (one program each, one digest for all)."""
+    return [ScheduledRequest(key, Program(f"p-{key}", digest, tuple(ops)), prompt_length)
+            for key in layout.keys]
+
+
+def services() -> Services:
+    """Serving services with a fresh store and a lens that must not be called."""
+    def no_lens(rows: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("no lens in these tests")
+    return Services(SaveStore(), no_lens)

@@ -1,0 +1,20 @@
+"""The seam to the engine: the runtime, its plan, hooks, serving, ops and store run without
+vLLM, so a second engine adapter (vLLM's V2 runner) needs no change to them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+ENGINE_FREE = ("vllm_runner.runtime", "vllm_runner.step_plan", "vllm_runner.hooks",
+               "vllm_runner.serving", "vllm_runner.ops", "vllm_runner.program",
+               "vllm_runner.store", "vllm_runner.lens", "vllm_runner.sharded")
+
+
+def test_the_runtime_and_its_parts_import_nothing_from_vllm() -> None:
+    """Imported in a fresh interpreter, none of them loads a `vllm` module."""
+    script = (f"import sys\nimport {', '.join(ENGINE_FREE)}\n"
+              "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    found = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=True)
+    assert found.stdout.strip() == "[]", found.stdout
