@@ -3,10 +3,12 @@
 # after the wheel pieces of ../shared/gpu/stage.sh were copied to /tmp/stage (see
 # docs/gpu.md for the calls). Writes everything it measures under $OUT (or ./gpu-out).
 #
-#   benchmarks/gpu/check.sh install      unpack and install vLLM 0.26 under /tmp/site
-#   benchmarks/gpu/check.sh trap_check   V2 refused by name; (a) the in-place trap, bf16 and fp32,
-#                                         and bf16 with saves moved to the host at every step
+#   benchmarks/gpu/check.sh install      unpack and install the staged vLLM (0.26 or 0.33) under /tmp/site
+#   benchmarks/gpu/check.sh trap_check   (a) the in-place trap, bf16 and fp32, and bf16 with saves
+#                                         moved to the host at every step
+# The model runner is V1 unless VLLM_USE_V2_MODEL_RUNNER=1 is set for the command (issue [J]).
 #   benchmarks/gpu/check.sh suites envoys|runner   (b) the equivalence suites of [C] / [D]
+#   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
 # Run benchmarks one at a time: beside a second one on the other GPU the bare engine was 1.6x
@@ -17,6 +19,8 @@ mkdir -p "$out"
 root=$(pwd)
 export PYTHONPATH=/tmp/site:$root/packages/tokenspan/src:$root/packages/tpfragments/src:$root/packages/vllm-envoys/src:$root/packages/vllm-runner/src
 export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
+# vLLM 0.33's torch wants cuDNN 9.24, the image has 9.19 (../shared/gpu/README.md); no hub here.
+export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 python=python3
 
 install() {
@@ -27,15 +31,6 @@ install() {
 
 trap_check() {
   local status=0
-  # The V2 runner (GPU default) is refused at start-up by name; V1 is chosen otherwise.
-  VLLM_USE_V2_MODEL_RUNNER=1 $python -c "
-from vllm_runner import LLM, UnsupportedEngine
-try:
-    LLM('unused')
-except UnsupportedEngine as refused:
-    print('V2 refused:', refused)
-else:
-    raise SystemExit('V2 was not refused')" 2>&1 | tail -2 | tee "$out/v2-refused.txt" || status=1
   # bf16 and fp32, then bf16 with every step's saves moved to the host (the spill path).
   # The first two keep the default limit (half the free GPU memory: nothing moves here).
   for run in bfloat16 float32 bfloat16-spill; do
@@ -95,6 +90,15 @@ suites() {
   fi
   local status=$?
   tail -40 "$out/$which-pytest.txt"
+  return $status
+}
+
+record() {
+  # Real steps of vLLM's V2 runner as the adapter's test fixture (benchmarks/gpu/record_v2_steps.py).
+  VLLM_USE_V2_MODEL_RUNNER=1 $python benchmarks/gpu/record_v2_steps.py "$1" "$out/v2_steps.json" \
+    > "$out/record.log" 2>&1
+  local status=$?
+  grep -v WARNING "$out/record.log" | tail -15
   return $status
 }
 

@@ -1,4 +1,5 @@
-"""Start-up checks: unchecked vLLM releases and the V2 model runner are refused by name."""
+"""Start-up checks: unchecked vLLM releases are refused by name; the model runner is V1 unless
+the user chose; a runner no adapter reads is refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from vllm_runner.compat import (
     V2_VARIABLE,
     check_runner,
     check_version,
-    select_v1_runner,
+    select_runner,
 )
 
 
@@ -32,37 +33,38 @@ def test_an_unchecked_release_is_refused_naming_the_checked_ones_and_the_way_out
     check_version("0.19.1")
 
 
-@pytest.mark.parametrize("asked", ["1", "true", "True"])
-def test_an_explicit_v2_runner_is_refused_with_the_setting_that_selects_v1(
-        monkeypatch: pytest.MonkeyPatch, asked: str) -> None:
-    monkeypatch.setenv(V2_VARIABLE, asked)
-    with pytest.raises(UnsupportedEngine, match=f"{V2_VARIABLE}=0"):
-        select_v1_runner()
-
-
-@pytest.mark.parametrize("asked", [None, "0"])
-def test_v1_is_selected_for_the_engine_processes(monkeypatch: pytest.MonkeyPatch,
-                                                 asked: str | None) -> None:
-    if asked is None:
-        monkeypatch.delenv(V2_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(V2_VARIABLE, asked)
-    select_v1_runner()
+@pytest.mark.parametrize("asked", ["1", "true", "True", "0"])
+def test_the_users_choice_of_runner_is_kept(monkeypatch: pytest.MonkeyPatch, asked: str) -> None:
     import os
 
+    monkeypatch.setenv(V2_VARIABLE, asked)
+    select_runner()
+    assert os.environ[V2_VARIABLE] == asked
+
+
+def test_v1_is_selected_for_the_engine_processes_unless_the_user_chose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.delenv(V2_VARIABLE, raising=False)
+    select_runner()
     assert os.environ[V2_VARIABLE] == "0"
 
 
-def test_a_runner_that_is_not_v1_is_refused_by_class_name() -> None:
+def test_a_runner_no_adapter_reads_is_refused_by_class_name() -> None:
     class V1:
+        pass
+
+    class V2:
         pass
 
     class SomeOtherRunner:
         pass
 
-    check_runner(V1(), V1)
+    check_runner(V1(), (V1, V2))
+    check_runner(V2(), (V1, V2))
     with pytest.raises(UnsupportedEngine, match=r"SomeOtherRunner.*VLLM_USE_V2_MODEL_RUNNER=0"):
-        check_runner(SomeOtherRunner(), V1)
+        check_runner(SomeOtherRunner(), (V1, V2))
 
 
 def test_the_gpu_worker_module_never_imports_vllms_cpu_worker() -> None:

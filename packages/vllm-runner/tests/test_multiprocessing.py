@@ -34,8 +34,11 @@ if __name__ == "__main__":
         interventions=[[ops.Save(location)], [ops.Call(location, halve), ops.Save(location)]],
         use_tqdm=False)
     saved = out.saved[location]
+    # Halving would move every value by half of it; GPU kernels are not batch-invariant, so
+    # the two requests' rows are compared within a tolerance, not bit for bit.
     print("RESULT", json.dumps({"shape": list(saved.shape), "values": saved.flatten().tolist(),
-                                "copied": torch.equal(copied.saved[location], saved)}))
+                                "copied": torch.allclose(copied.saved[location], saved,
+                                                         rtol=1e-4, atol=1e-5)}))
 """
 
 

@@ -183,9 +183,11 @@ def test_prompts_as_token_id_lists_as_in_vllm(llm) -> None:
     (one,) = llm.generate(PROMPTS[0], params, interventions=program, use_tqdm=False)
     batch = llm.generate(PROMPTS[:2], params, interventions=program, use_tqdm=False)
     assert len(batch) == 2 and batch[1].prompt_token_ids == PROMPTS[1]
+    # The same rows, not bit for bit in a batch: GPU kernels are not batch-invariant (on the
+    # H200 one value of a prompt alone and in a batch of two was 8.3821e-03 vs 8.3832e-03).
     for output in (one, batch[0]):
-        assert torch.equal(output.saved["layers.0.layer_output"],
-                           as_dict.saved["layers.0.layer_output"])
+        torch.testing.assert_close(output.saved["layers.0.layer_output"],
+                                   as_dict.saved["layers.0.layer_output"], rtol=1e-4, atol=1e-5)
     with pytest.raises(TypeError, match="lists of token ids"):
         llm.generate([3.5], params, use_tqdm=False)
 

@@ -134,3 +134,14 @@ def test_hooks_are_installed_for_wanted_locations_only_and_see_the_output() -> N
     assert len(hooks) == 0 and len(seen) == 1
     location, raw = seen[0]
     assert location == "layers.0.layer_output" and torch.equal(raw, torch.ones(2, HIDDEN))
+
+
+def test_the_sampler_gets_finite_logits_after_a_step_with_edits() -> None:
+    """NaN and +inf (an edit overflowed a later layer) become finite; -inf (a banned token) and
+    every finite logit stay as they are."""
+    from vllm_runner.runtime import keep_logits_finite
+
+    logits = torch.tensor([[1.5, float("nan"), float("-inf")], [float("inf"), -2.0, 0.25]])
+    keep_logits_finite(logits)
+    top = torch.finfo(torch.float32).max
+    assert torch.equal(logits, torch.tensor([[1.5, 0.0, float("-inf")], [top, -2.0, 0.25]]))

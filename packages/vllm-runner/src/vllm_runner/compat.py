@@ -3,9 +3,9 @@
 The runner reads vLLM's private model-runner state (batch order, query offsets, the logits
 processor); a release that moved any of it would give wrong rows silently, so an unchecked
 release is refused before the engine starts unless the user opts in. The GPU build of vLLM runs
-its V2 model runner by default, where the V1 runner's `_model_forward` override point does not
-exist: `LLM` selects the V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0`) unless the user asked for V2,
-which is refused with that setting in the message.
+its V2 model runner by default; each runner has its own adapter (`vllm_v1_runner`,
+`vllm_v2_runner`), and `LLM` selects V1 (`VLLM_USE_V2_MODEL_RUNNER=0`) unless the user set the
+variable (see `select_runner`).
 """
 
 from __future__ import annotations
@@ -40,23 +40,23 @@ def check_version(version: str) -> None:
         "silently wrong if the model runner's internals moved")
 
 
-def select_v1_runner() -> None:
-    """Make every engine process build vLLM's V1 model runner; refuse an explicit V2 request.
+def select_runner() -> None:
+    """Choose the model runner every engine process builds: the user's `VLLM_USE_V2_MODEL_RUNNER`
+    if set (`1`: V2, `0`: V1), else V1 — V2's adapter (`vllm_v2_runner`) is opt-in until its
+    suites have passed on a GPU (docs/gpu.md).
 
     Set in this process's environment before the engine starts: worker processes inherit it,
     and vLLM reads it when it builds its config."""
     asked = os.environ.get(V2_VARIABLE)
-    if asked is not None and asked.strip().lower() in {"1", "true"}:
-        raise UnsupportedEngine(
-            f"vllm-runner hooks vLLM's V1 model runner; {V2_VARIABLE}={asked} selects the V2 "
-            f"runner, which it does not support yet. Unset it or set {V2_VARIABLE}=0")
+    if asked is not None and asked.strip().lower() in {"0", "1", "true", "false"}:
+        return
     os.environ[V2_VARIABLE] = "0"
 
 
-def check_runner(runner: object, v1_runner_class: type) -> None:
-    """Refuse any model runner but V1 (a backstop: `select_v1_runner` should have chosen it)."""
-    if not isinstance(runner, v1_runner_class):
+def check_runner(runner: object, supported: tuple[type, ...]) -> None:
+    """Refuse a model runner that no adapter reads (e.g. V2's encoder-only runner)."""
+    if not isinstance(runner, supported):
         kind = f"{type(runner).__module__}.{type(runner).__name__}"
         raise UnsupportedEngine(
-            f"vllm-runner supports vLLM's V1 model runner, not {kind}; set {V2_VARIABLE}=0 "
-            "before starting the engine")
+            f"vllm-runner reads vLLM's V1 and V2 model runners, not {kind}; set "
+            f"{V2_VARIABLE}=0 before starting the engine for V1")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_runner.vllm_v1_runner import attach
+from vllm_runner.runner_attach import attach
 from vllm_runner.worker import WorkerRPC
 
 

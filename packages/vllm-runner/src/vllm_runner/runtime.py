@@ -71,6 +71,8 @@ class Runtime:
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
         self._resolved: dict[str, list[str]] = {}
         self._tokens = self._sampled = NO_VISITS
+        self._guard_logits = False
+        self._edited_in_step = False  # a scheduled request's program edits (`program`)
         # Requests whose programs were checked against their prompt (at their first step).
         self._checked: set[str] = set()
 
@@ -97,6 +99,11 @@ class Runtime:
         prompt; `None` once it has failed (a failed program stops where it failed: nothing more
         is read or written for it)."""
         program_id = data["program_id"]
+        known = self.programs.known(program_id)
+        if known is not None and known.edits:
+            # Running still, even if its program failed: its edits may have left non-finite
+            # values behind (see `keep_logits_finite`).
+            self._edited_in_step = True
         if self.store.failed(program_id):
             return None
         if program_id in self._checked:
@@ -128,7 +135,12 @@ class Runtime:
         self.store.spill(self.device_saves_limit)  # the last step's saves are all made
         plan = plan_step(layout, requests, self.locations_of)
         self._tokens, self._sampled = plan.tokens, plan.sampled
-        self.hooks.sync(plan.locations())
+        # A step with edits gets the sampler's hook whatever its programs read: see
+        # `keep_logits_finite`.
+        self._guard_logits = self._edited_in_step or any(request.program.edits
+                                                         for request in requests)
+        self._edited_in_step = False
+        self.hooks.sync([*plan.locations(), *((SAMPLER_HOOK,) if self._guard_logits else ())])
 
     def end_step(self) -> None:
         """Forget the step's token rows (hooks stay installed while programs keep wanting them);
@@ -160,9 +172,14 @@ class Runtime:
         if self.lens.active:
             return
         visits, self._sampled = self._sampled, NO_VISITS
-        for location in PER_SAMPLED_ROW:
-            if visits.wants.get(location):
-                self._serve_sampled(self.values[location], logits, visits)
+        logits_edits, probability_reads = PER_SAMPLED_ROW
+        if visits.wants.get(logits_edits):
+            self._serve_sampled(self.values[logits_edits], logits, visits)
+        if self._guard_logits:
+            self._guard_logits = False
+            keep_logits_finite(logits)
+        if visits.wants.get(probability_reads):
+            self._serve_sampled(self.values[probability_reads], logits, visits)
 
     def _serve_sampled(self, value: Value, logits: Any, visits: Visits) -> None:
         rows = int(logits.shape[0]) if isinstance(logits, torch.Tensor) else -1
@@ -212,3 +229,17 @@ class Runtime:
     def _forget(self, program_id: str) -> None:
         self.programs.forget(program_id)
         self._checked.discard(program_id)
+
+
+def keep_logits_finite(logits: Any) -> None:
+    """Replace NaN and `+inf` in the sampler's logits (in place) after a step with edits.
+
+    An edit can make a request's later values non-finite with nothing to refuse where it is
+    made (a finite `Scale` by 1e30 overflows the next layers; a `Call` in view mode has written
+    already). vLLM's V2 sampler then picks an out-of-range token on the GPU, and the next step's
+    embedding lookup fails a device-side assert that stops the engine for every request (seen
+    on the H200, vLLM 0.33). Finite logits are unchanged (other requests' rows are untouched),
+    and `-inf` stays: it bans a token."""
+    if isinstance(logits, torch.Tensor) and logits.is_floating_point():
+        torch.nan_to_num_(logits, nan=0.0, posinf=torch.finfo(logits.dtype).max,
+                          neginf=float("-inf"))

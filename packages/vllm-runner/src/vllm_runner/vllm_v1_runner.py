@@ -1,16 +1,17 @@
 """The engine adapter for vLLM's V1 model runner: the only code that reads its private state.
 
 Checked against the vLLM releases in `vllm_runner.compat.CHECKED_VLLM` (`GPUModelRunner`,
-which `CPUModelRunner` subclasses). `attach` swaps the runner's class for one with `RunnerMixin`
-in front: `load_model` builds the runtime, `_update_states` zeroes reused KV blocks, and
-`_model_forward` — which vLLM documents as the method subclasses may override, and which its
-profiling and dummy runs do not call — brackets every real forward with the step's plan.
+which `CPUModelRunner` subclasses). `runner_attach.attach` swaps the runner's class for one
+with `RunnerMixin` in front: `load_model` builds the runtime, `_update_states` zeroes reused KV
+blocks, and `_model_forward` — which vLLM documents as the method subclasses may override, and
+which its profiling and dummy runs do not call — brackets every real forward with the step's
+plan.
 
 What is read, per step: the request order `input_batch.req_ids[:num_reqs]` after the runner's
 own state update; request i owns rows `query_start_loc.np[i]:[i+1]`, and its first row's
 absolute position is `positions[query_start_loc[i]]`; each request's program travels in
 `requests[id].sampling_params.extra_args`. The runtime gets plain data: a `StepLayout` and the
-decoded programs in step order. A second runner (V2) is a second adapter like this one.
+decoded programs in step order. The V2 runner's adapter is `vllm_v2_runner`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import torch
 from tokenspan import StepLayout
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
-from vllm_runner.compat import check_runner
 from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
 from vllm_runner.program import program_data
 from vllm_runner.runtime import Runtime
-from vllm_runner.settings import device_saves_limit, read_mode
+from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
 
 
@@ -70,25 +70,18 @@ class RunnerMixin:
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)  # type: ignore[misc]
-        model = self.get_model()  # type: ignore[attr-defined]
-        fragments, rank = _tensor_parallel(model)
-        # Read at load, in the worker's own process: see `vllm_runner.llm.LLM`'s settings.
-        self.interp = Runtime(model, self.model_config.hf_config,  # type: ignore[attr-defined]
-                              fragments, rank, reads=read_mode(),
-                              device_saves_limit=device_saves_limit())
-        self.interp_written = WrittenBlocks()
-        self.interp_editing = set()  # requests whose programs edit (their blocks are marked)
+        load_runtime(self)
         return result
 
     def _update_states(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's state update, then: zero the blocks handed out this step that an editing
-        request held (`kv_blocks`), before the forward writes into them, and remember the
-        blocks editing requests hold now. Nothing to do while no request ever edited."""
+        """Zero the blocks handed out this step that an editing request held (`kv_blocks`),
+        then vLLM's state update, then remember the blocks editing requests hold now. Nothing
+        to do while no request ever edited."""
         for new in scheduler_output.scheduled_new_reqs:
             data = program_data(_extra_args(new))
             if data is not None and self.interp.edits(data):
                 self.interp_editing.add(new.req_id)
-        result = super()._update_states(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+        # Before vLLM's update, which copies prefix blocks into fresh ones (copy-on-write).
         if self.interp_written:
             handed_out = [block for new in scheduler_output.scheduled_new_reqs
                           for group in new.block_ids for block in group]
@@ -96,6 +89,7 @@ class RunnerMixin:
                            if ids is not None for group in ids for block in group]
             if reused := self.interp_written.reused(handed_out):
                 self._interp_zero_blocks(reused)
+        result = super()._update_states(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         if self.interp_editing:
             self.interp_editing.difference_update(scheduler_output.finished_req_ids)
             requests = self.requests  # type: ignore[attr-defined]
@@ -142,18 +136,3 @@ def _layer_caches(runner: Any) -> list[torch.Tensor]:
             if isinstance(cache, torch.Tensor) and cache.numel():
                 found.setdefault(cache.data_ptr(), cache)
     return list(found.values())
-
-
-def _tensor_parallel(model: Any) -> tuple[Any, int]:
-    """The model's sharded values (`tpfragments`) and this worker's tensor-parallel rank."""
-    from tpfragments.vllm import fragments_for, tp_group
-
-    group = tp_group()
-    return (fragments_for(model, group) if group.size > 1 else None), group.rank
-
-
-def attach(runner: Any) -> None:
-    """Swap `runner`'s class for one with `RunnerMixin` in front; refuse runners not checked."""
-    check_runner(runner, V1ModelRunner)
-    base = type(runner)
-    runner.__class__ = type(f"Interp{base.__name__}", (RunnerMixin, base), {})

@@ -1,8 +1,7 @@
 """Worker classes handed to vLLM as dotted paths (`worker_cls`), and the RPCs the client calls.
 
 The worker builds vLLM's own model runner, then puts the interpretability runner in front of it
-(`vllm_v1_runner.attach`). Only the V1 runner is supported; the V2 runner is refused with the
-setting that selects V1.
+(`runner_attach.attach`): V1's adapter or V2's.
 
 The CPU worker lives in `vllm_runner.cpu_worker`: importing vLLM's `cpu_worker` replaces
 torch's CUDA events, streams and `pin_memory` with no-ops process-wide, so a GPU worker process
@@ -17,8 +16,8 @@ from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
 from vllm_runner import wire
 from vllm_runner.errors import LocationError
+from vllm_runner.runner_attach import attach
 from vllm_runner.runtime import Finished
-from vllm_runner.vllm_v1_runner import attach
 
 
 class WorkerRPC:
