@@ -31,13 +31,20 @@ from vllm_runner.op_checks import (
     op_name,
     refuse_non_finite,
 )
-from vllm_runner.op_data import TAG, field_from_data, field_to_data
+from vllm_runner.op_data import (
+    TAG,
+    field_from_data,
+    field_to_data,
+    tensor_from_data,
+    tensor_to_data,
+)
 
 if TYPE_CHECKING:
     from vllm_runner.serving import Visit
 
+# `tensor_to_data`/`tensor_from_data` were defined here before `op_data`; kept importable.
 __all__ = ["STEPS", "Add", "Call", "CallContext", "Lens", "Op", "ProjectOut", "Save", "Scale",
-           "Set", "Skip", "Steps", "Zero", "op_from_data"]
+           "Set", "Skip", "Steps", "Zero", "op_from_data", "tensor_from_data", "tensor_to_data"]
 
 KeepPosition = Callable[[int], bool]
 
@@ -413,7 +420,7 @@ class Skip(Op):
         object.__setattr__(self, "location", f"layers.{layer}")
 
     def __repr__(self) -> str:
-        return f"Skip({self.layer})"
+        return f"Skip(layer={self.layer})"
 
     @property
     def layer(self) -> int:
