@@ -104,6 +104,8 @@ class Runtime:
             # Running still, even if its program failed: its edits may have left non-finite
             # values behind (see `keep_logits_finite`).
             self._edited_in_step = True
+        elif known is None and self.edits(data):  # its first step: decoded here
+            self._edited_in_step = True
         if self.store.failed(program_id):
             return None
         if program_id in self._checked:
@@ -137,9 +139,7 @@ class Runtime:
         self._tokens, self._sampled = plan.tokens, plan.sampled
         # A step with edits gets the sampler's hook whatever its programs read: see
         # `keep_logits_finite`.
-        self._guard_logits = self._edited_in_step or any(request.program.edits
-                                                         for request in requests)
-        self._edited_in_step = False
+        self._guard_logits, self._edited_in_step = self._edited_in_step, False
         self.hooks.sync([*plan.locations(), *((SAMPLER_HOOK,) if self._guard_logits else ())])
 
     def end_step(self) -> None:

@@ -16,6 +16,7 @@ decoded programs in step order. The V2 runner's adapter is `vllm_v2_runner`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -61,6 +62,21 @@ def scheduled_step(runtime: Runtime, runner: Any,
     return layout, scheduled
 
 
+def blocks_of(groups: Iterable[Iterable[int]] | None) -> list[int]:
+    """The block ids of a request's per-group lists (`block_ids`, `new_block_ids`), if any."""
+    return [block for group in groups or () for block in group]
+
+
+def handed_out_blocks(scheduler_output: Any) -> list[int]:
+    """Every KV block the scheduler hands out this step: new (and resumed) requests' blocks and
+    running requests' new ones (the same fields in V1 and V2)."""
+    found = [block for new in scheduler_output.scheduled_new_reqs
+             for block in blocks_of(new.block_ids)]
+    for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        found += blocks_of(ids)
+    return found
+
+
 class RunnerMixin:
     """Put in front of vLLM's V1 model runner class by `attach`."""
 
@@ -82,13 +98,9 @@ class RunnerMixin:
             if data is not None and self.interp.edits(data):
                 self.interp_editing.add(new.req_id)
         # Before vLLM's update, which copies prefix blocks into fresh ones (copy-on-write).
-        if self.interp_written:
-            handed_out = [block for new in scheduler_output.scheduled_new_reqs
-                          for group in new.block_ids for block in group]
-            handed_out += [block for ids in scheduler_output.scheduled_cached_reqs.new_block_ids
-                           if ids is not None for group in ids for block in group]
-            if reused := self.interp_written.reused(handed_out):
-                self._interp_zero_blocks(reused)
+        if self.interp_written and (
+                reused := self.interp_written.reused(handed_out_blocks(scheduler_output))):
+            self._interp_zero_blocks(reused)
         result = super()._update_states(scheduler_output, *args, **kwargs)  # type: ignore[misc]
         if self.interp_editing:
             self.interp_editing.difference_update(scheduler_output.finished_req_ids)

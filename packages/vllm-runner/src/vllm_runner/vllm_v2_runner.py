@@ -18,7 +18,7 @@ runtime's logits hook serves the sampled rows as under V1.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from tokenspan import StepLayout
@@ -28,6 +28,7 @@ from vllm_runner.program import ProgramData, program_data
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
+from vllm_runner.vllm_v1_runner import blocks_of, handed_out_blocks
 
 #: A running request's program and its prompt's length, kept from when V2 added it.
 Kept = tuple[ProgramData, int]
@@ -54,10 +55,6 @@ def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept],
                                      batch.num_computed_tokens_np[:count],
                                      padded_total=int(batch.num_tokens_after_padding))
     return layout, scheduled
-
-
-def _blocks(groups: Iterable[Iterable[int]] | None) -> list[int]:
-    return [block for group in groups or () for block in group]
 
 
 class RunnerV2Mixin:
@@ -106,19 +103,17 @@ class RunnerV2Mixin:
         remember the blocks handed to editing requests now."""
         new_requests = scheduler_output.scheduled_new_reqs
         cached = scheduler_output.scheduled_cached_reqs
-        if self.interp_written:
-            handed_out = [block for new in new_requests for block in _blocks(new.block_ids)]
-            handed_out += [block for ids in cached.new_block_ids for block in _blocks(ids)]
-            if reused := self.interp_written.reused(handed_out):
-                self._interp_zero_blocks(reused)
+        if self.interp_written and (
+                reused := self.interp_written.reused(handed_out_blocks(scheduler_output))):
+            self._interp_zero_blocks(reused)
         super().update_requests(scheduler_output)  # type: ignore[misc]
         if self.interp_editing:
             for new in new_requests:
                 if new.req_id in self.interp_editing:
-                    self.interp_written.held_by_editing(_blocks(new.block_ids))
+                    self.interp_written.held_by_editing(blocks_of(new.block_ids))
             for request_id, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
                 if request_id in self.interp_editing:
-                    self.interp_written.held_by_editing(_blocks(ids))
+                    self.interp_written.held_by_editing(blocks_of(ids))
 
     def _interp_zero_blocks(self, block_ids: list[int]) -> None:
         """Zero KV-cache blocks in every attention layer with V2's own kernel (built on first
