@@ -72,7 +72,7 @@ if TYPE_CHECKING:  # vLLM's classes for the checker only: importing this module 
 __all__ = ["VLLM_VERSION", "fragments_for", "rules_for", "tp_group"]
 
 #: The vLLM release whose source the layouts above were read from and tested against.
-VLLM_VERSION = "0.32.0 (CPU) and 0.26.0 (CUDA)"
+VLLM_VERSION = "0.32.0 (CPU, TP=2 in CI) and 0.33.0 (CUDA, TP=1)"
 
 
 def tp_group() -> Group:
