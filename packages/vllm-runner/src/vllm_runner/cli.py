@@ -1,4 +1,4 @@
-"""The `vllm-interp` command: `demo`, `extract`, `support`.
+"""The `vllm-interp` command: `demo`, `extract`, `support`, `serve`.
 
 Each subcommand starts an engine (the embedded default model unless `--model` names one), so
 argument errors are reported before that slow part.
@@ -119,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
         "support", help="which values the model serves, per layer",
         description="Print the value x layer availability table of a model, with reasons.")
     _engine_arguments(support)
+
+    serve = commands.add_parser(
+        "serve", help="vLLM's OpenAI-compatible server with per-request interventions",
+        description="Run `vllm serve MODEL OPTIONS` with the interpretability worker and routes: "
+                    "/v1/completions and /v1/chat/completions take an `interventions` field. "
+                    "Every `vllm serve` option works as there (see `vllm serve --help`).")
+    serve.add_argument("model", help="model name or folder, as for `vllm serve`")
+    serve.add_argument("options", nargs=argparse.REMAINDER,
+                       help="any `vllm serve` options, passed on as given")
     return parser
 
 
@@ -169,6 +178,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad arguments (found before the engine starts where possible), 130 on Ctrl-C."""
     parser = build_parser()
     arguments = parser.parse_args(argv)
+    if arguments.command == "serve":  # vLLM's server: its logs and exit status are its own
+        from vllm_runner.serve_command import run_serve
+
+        try:
+            run_serve(arguments.model, arguments.options)
+        except ValueError as error:
+            print(f"vllm-interp serve: {error}", file=sys.stderr)
+            return 2
+        return 0
     # vLLM logs to stdout at INFO by default; a command's output should be its own. Set before
     # vLLM is first imported (it configures its logging then) and inherited by its processes.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

@@ -54,6 +54,13 @@ def cpu_kv_cache_bytes(free: int, weights: int, ranks: int) -> int:
     return min(CPU_KV_CACHE_CAP, spare // (2 * ranks)) // 2**20 * 2**20
 
 
+def default_cpu_kv_cache(model: str, ranks: int) -> tuple[int, int, int]:
+    """(the KV cache per rank `cpu_kv_cache_bytes` gives `model` on this machine, the bytes
+    free on the NUMA node, that node): the default of `LLM` and `vllm-interp serve` on a CPU."""
+    free, node = _cpu_free_memory()
+    return cpu_kv_cache_bytes(free, _weights_bytes(model), ranks), free, node
+
+
 def _weights_bytes(model: str) -> int:
     """The size of a local checkpoint's weight files (0 for a hub name: unknown here)."""
     folder = Path(model)
@@ -81,8 +88,7 @@ def choose_defaults(model: str, engine: dict[str, Any], on_cpu: bool) -> str | N
         name for name, value in engine.items() if value is not None}
     if sized or os.environ.get(CPU_KV_CACHE_VARIABLE):
         return None
-    free, node = _cpu_free_memory()
-    size = cpu_kv_cache_bytes(free, _weights_bytes(model), _ranks(engine))
+    size, free, node = default_cpu_kv_cache(model, _ranks(engine))
     engine["kv_cache_memory_bytes"] = size
     return (f"vllm-interp: a KV cache of {size / GIB:.2f} GiB per rank (NUMA node {node} has "
             f"{free / GIB:.1f} GiB free); choose one with kv_cache_memory_bytes= or "

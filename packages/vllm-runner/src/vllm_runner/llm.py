@@ -22,7 +22,8 @@ from vllm_runner import engine_rpc, vllm_client, wire
 from vllm_runner.compat import check_version
 from vllm_runner.engine_start import start
 from vllm_runner.errors import EngineDied, LocationError
-from vllm_runner.ops import Lens, Op
+from vllm_runner.op_limits import check_op_fits
+from vllm_runner.ops import Op
 from vllm_runner.program import EXTRA_ARGS_KEY, encode, encode_ops, new_program_id, program_digest
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
@@ -211,16 +212,7 @@ class LLM:
         self.resolve([pattern for ops in programs for op in ops for pattern in op.patterns()])
         longest = self.engine.llm_engine.model_config.max_model_len
         for op in {id(op): op for ops in programs for op in ops}.values():
-            if isinstance(op, Lens) and op.top_k > self.vocab_size:
-                raise ValueError(f"Lens({op.location!r}, top_k={op.top_k}): the vocabulary has "
-                                 f"{self.vocab_size} tokens; choose top_k <= {self.vocab_size}")
-            never = [p for p in getattr(op, "positions", None) or ()
-                     if p >= longest or p < -longest]
-            if never:
-                raise ValueError(f"{type(op).__name__}({op.location!r}): positions {never} can "
-                                 f"never exist: requests hold at most max_model_len={longest} "
-                                 f"positions (0..{longest - 1}, or -1..-{longest} from the end "
-                                 "of the prompt)")
+            check_op_fits(op, self.vocab_size, longest)
 
     def generate(self, prompts: Any,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,0 +1,163 @@
+"""Interventions as JSON (the server's `interventions` field) into the op classes, and saves out.
+
+Each op is `{"op": <kind>, "location": ..., <the Python op's other fields by the same names>}`,
+the same ops and location grammar as `vllm_runner.ops`. A tensor field (`vector`, `value`,
+`direction`) is a JSON list of numbers, `{"base64": ..., "dtype": ..., "shape": [...]}` of raw
+little-endian bytes, or `{"name": ...}` of a vector the server keeps. Saves come back in the
+base64 form. Everything a request could get wrong is refused here, before it is queued, as an
+`InterventionInputError` naming the field (`interventions[2].vector`) and the fix.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from vllm_runner.op_data import TAG
+from vllm_runner.ops import OPS_BY_KIND, Op
+
+#: The dtypes a tensor travels in (little-endian raw bytes), by their JSON names (the integer
+#: ones for saves such as a lens's token ids).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+#: Ops that run client code in the server; refused unless the operator allows them.
+CODE_OPS = frozenset({"call"})
+
+VectorLookup = Callable[[str], torch.Tensor | None]
+
+
+class InterventionInputError(ValueError):
+    """One field of a request's `interventions` is wrong; `field` names it, the message says
+    what to send instead (the server answers 400 with both)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _tensor_fields(op_class: type[Op]) -> set[str]:
+    return {item.name for item in dataclasses.fields(op_class)
+            if "Tensor" in str(item.type)}
+
+
+def tensor_from_json(value: Any, field: str, vectors: VectorLookup) -> torch.Tensor:
+    """A tensor sent as a list of numbers, as base64 bytes with dtype and shape, or by name."""
+    if isinstance(value, list):
+        try:
+            tensor = torch.tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError) as error:
+            raise InterventionInputError(field, f"a list of numbers (nested lists of equal "
+                                                f"length) was expected: {error}") from None
+        return tensor
+    if not isinstance(value, dict):
+        raise InterventionInputError(field, "send a list of numbers, {\"base64\": ..., "
+                                            "\"dtype\": ..., \"shape\": [...]}, or "
+                                            "{\"name\": ...} of a registered vector")
+    if "name" in value:
+        found = vectors(str(value["name"]))
+        if found is None:
+            raise InterventionInputError(field, f"no vector is registered as "
+                                                f"{value['name']!r}; PUT it to "
+                                                f"/v1/interp/vectors/{value['name']} first")
+        return found
+    return _tensor_from_base64(value, field)
+
+
+def _tensor_from_base64(value: dict[str, Any], field: str) -> torch.Tensor:
+    missing = [key for key in ("base64", "dtype", "shape") if key not in value]
+    if missing:
+        raise InterventionInputError(field, f"missing {', '.join(missing)} (a tensor as bytes "
+                                            "is {\"base64\", \"dtype\", \"shape\"})")
+    dtype = DTYPES.get(value["dtype"])
+    if dtype is None:
+        raise InterventionInputError(f"{field}.dtype", f"{value['dtype']!r} is not one of "
+                                                       f"{', '.join(DTYPES)}")
+    shape = value["shape"]
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                              and n >= 0 for n in shape):
+        raise InterventionInputError(f"{field}.shape", "a list of sizes (whole numbers >= 0)")
+    try:
+        raw = base64.b64decode(value["base64"], validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise InterventionInputError(f"{field}.base64", "not valid base64") from None
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if len(raw) != expected:
+        raise InterventionInputError(field, f"{len(raw)} bytes, but shape {shape} of "
+                                            f"{value['dtype']} needs {expected}")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).clone()
+
+
+def tensor_to_json(tensor: torch.Tensor) -> dict[str, Any]:
+    """A tensor as `{"base64", "dtype", "shape"}` (the form `tensor_from_json` reads)."""
+    flat = tensor.detach().cpu().contiguous()
+    if flat.dtype not in DTYPE_NAMES:
+        flat = flat.to(torch.float32)
+    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return {"dtype": DTYPE_NAMES[flat.dtype], "shape": list(flat.shape),
+            "base64": base64.b64encode(raw).decode("ascii")}
+
+
+def ops_from_json(interventions: Any, vectors: VectorLookup,
+                  allow_code: bool = False) -> list[Op]:
+    """The ops of one request's `interventions`, each checked as the Python op checks itself."""
+    if not isinstance(interventions, list):
+        raise InterventionInputError("interventions", "a list of ops, each {\"op\": ..., "
+                                                      "\"location\": ..., ...}")
+    return [op_from_json(item, f"interventions[{index}]", vectors, allow_code)
+            for index, item in enumerate(interventions)]
+
+
+def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool) -> Op:
+    """One op from its JSON object (see the module's docstring)."""
+    if not isinstance(item, Mapping):
+        raise InterventionInputError(field, "an op is an object {\"op\": ..., \"location\": "
+                                            "..., ...}")
+    kind = item.get(TAG)
+    known = ", ".join(sorted(set(OPS_BY_KIND) - CODE_OPS))
+    if kind in CODE_OPS and not allow_code:
+        raise InterventionInputError(f"{field}.op", f"{kind!r} runs client code in the server, "
+                                                    "which this server does not allow (its "
+                                                    "operator can, with --interp-allow-code); "
+                                                    f"the ops are {known}")
+    op_class = OPS_BY_KIND.get(kind) if isinstance(kind, str) else None
+    if op_class is None:
+        raise InterventionInputError(f"{field}.op", f"unknown op {kind!r}; the ops are {known}")
+    if kind == "skip" and "location" not in item and "layer" in item:  # Skip(layer=3)
+        item = {TAG: kind, "location": f"layers.{item['layer']}"}
+    if not isinstance(item.get("location"), str):
+        raise InterventionInputError(f"{field}.location", "a location such as "
+                                                          "\"layers.3.layer_output\"")
+    tensors = _tensor_fields(op_class)
+    fields: dict[str, Any] = {}
+    for name, value in item.items():
+        if name == TAG:
+            continue
+        if name in tensors:
+            fields[name] = tensor_from_json(value, f"{field}.{name}", vectors)
+        elif isinstance(value, list):
+            fields[name] = tuple(value)
+        else:
+            fields[name] = value
+    try:
+        return op_class(**op_class.fields_from_data(fields))
+    except TypeError as error:
+        accepted = sorted({item.name for item in dataclasses.fields(op_class)} | {TAG})
+        raise InterventionInputError(field, f"{error}; {kind} takes "
+                                            f"{', '.join(accepted)}") from None
+    except ValueError as error:
+        raise InterventionInputError(field, str(error)) from None
+
+
+def saves_to_json(saved: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """A request's saves (`outputs[i].saved`) in the JSON form, by location."""
+    return {location: tensor_to_json(tensor) for location, tensor in saved.items()}

@@ -1,0 +1,79 @@
+"""`vllm-interp serve MODEL [vllm serve options]`: vLLM's own `vllm serve`, with the
+interpretability worker and routes (`vllm_runner.server`) and the engine settings hooks need.
+
+Every `vllm serve` option keeps its meaning; this adds only what the user left out:
+`--worker-cls` (the worker that runs programs), `--enforce-eager` (forward hooks do not fire in
+compiled graphs), on a CPU a KV cache that fits the machine (as `LLM` does), and `vllm_interp`
+in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from vllm_runner.server import PLUGIN_NAME
+
+PLUGINS_VARIABLE = "VLLM_PLUGINS"
+CPU_WORKER = "vllm_runner.cpu_worker.InterpCPUWorker"
+GPU_WORKER = "vllm_runner.worker.InterpGPUWorker"
+
+
+def _given(options: Sequence[str], name: str) -> bool:
+    return any(option == name or option.startswith(f"{name}=") for option in options)
+
+
+def _ranks(options: Sequence[str]) -> int:
+    """The tensor-parallel size the options ask for (1 if none)."""
+    for index, option in enumerate(options):
+        for name in ("--tensor-parallel-size", "-tp"):
+            if option == name and index + 1 < len(options):
+                return int(options[index + 1])
+            if option.startswith(f"{name}="):
+                return int(option.split("=", 1)[1])
+    return 1
+
+
+def serve_command(model: str, options: Sequence[str], on_cpu: bool,
+                  kv_cache_bytes: int | None) -> list[str]:
+    """The `vllm serve` arguments for `vllm-interp serve MODEL OPTIONS` (pure: tested as is).
+    `kv_cache_bytes` is the CPU KV cache to ask for when the user sized none."""
+    if _given(options, "--no-enforce-eager"):
+        raise ValueError("vllm-interp serve needs --enforce-eager: forward hooks do not fire "
+                         "inside compiled graphs or CUDA-graph replays; drop --no-enforce-eager")
+    command = ["serve", model, *options]
+    if not _given(options, "--worker-cls"):
+        command += ["--worker-cls", CPU_WORKER if on_cpu else GPU_WORKER]
+    if not _given(options, "--enforce-eager"):
+        command.append("--enforce-eager")
+    sized = _given(options, "--gpu-memory-utilization") or _given(options,
+                                                                  "--kv-cache-memory-bytes")
+    if on_cpu and not sized and kv_cache_bytes is not None:
+        command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    return command
+
+
+def plugins_setting(current: str | None) -> str:
+    """`VLLM_PLUGINS` with our endpoint plugin named. Unset, vLLM loads every general plugin and
+    no endpoint plugin; set, it loads only those it names — so other installed general plugins
+    are lost once we set it, unless the user listed them (then theirs are kept)."""
+    names = [name for name in (current or "").split(",") if name.strip()]
+    return ",".join([*names, PLUGIN_NAME] if PLUGIN_NAME not in names else names)
+
+
+def run_serve(model: str, options: Sequence[str]) -> None:
+    """Replace this process with `vllm serve` as `serve_command` builds it (signals, logs and
+    the exit status are vLLM's own)."""
+    from vllm.platforms import current_platform
+
+    from vllm_runner.engine_start import CPU_KV_CACHE_VARIABLE, default_cpu_kv_cache
+
+    on_cpu = current_platform.is_cpu()
+    kv_cache_bytes = None
+    if on_cpu and not os.environ.get(CPU_KV_CACHE_VARIABLE):
+        kv_cache_bytes, _free, _node = default_cpu_kv_cache(model, _ranks(options))
+    command = serve_command(model, options, on_cpu, kv_cache_bytes)
+    os.environ[PLUGINS_VARIABLE] = plugins_setting(os.environ.get(PLUGINS_VARIABLE))
+    print("vllm-interp serve: vllm " + " ".join(command), file=sys.stderr, flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", "vllm_runner.serve_main", *command])

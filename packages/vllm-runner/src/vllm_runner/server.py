@@ -1,0 +1,282 @@
+"""vLLM's own OpenAI-compatible server with per-request interventions (issue [L]).
+
+Installed through vLLM's plugin contracts, not a server of our own: the worker is
+`vllm_runner.worker.InterpGPUWorker` (or the CPU one) through `--worker-cls`, and this module is
+the `vllm.endpoint_plugins` entry point `vllm_interp` (vLLM loads endpoint plugins only when
+`VLLM_PLUGINS` names them; `vllm-interp serve` sets both). It replaces `POST /v1/completions` and
+`POST /v1/chat/completions` with the same handlers plus an `interventions` field
+(`vllm_runner.json_ops`): a request without one is served exactly as vLLM serves it; a request
+with one is checked before it is queued (a bad field is a 400 naming it, and nothing reaches
+the engine), runs its program in the worker like `LLM.generate`, and each choice of the
+response carries `interp: {"saves": {location: tensor}, "error": null | str}`.
+
+Client code (`Call`) is refused over HTTP unless the operator sets `VLLM_INTERP_SERVE_ALLOW_CODE=1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import PrivateAttr
+from vllm import SamplingParams
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+from vllm.entrypoints.serve.utils.api_utils import (
+    load_aware_call,
+    validate_json_request,
+    with_cancellation,
+)
+from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
+
+from vllm_runner import wire
+from vllm_runner.json_ops import InterventionInputError, ops_from_json, saves_to_json
+from vllm_runner.op_limits import check_op_fits
+from vllm_runner.ops import Op
+from vllm_runner.program import EXTRA_ARGS_KEY, encode, encode_ops, new_program_id, program_digest
+
+ALLOW_CODE_VARIABLE = "VLLM_INTERP_SERVE_ALLOW_CODE"
+#: The plugin's name, as `VLLM_PLUGINS` must list it.
+PLUGIN_NAME = "vllm_interp"
+
+
+@dataclass
+class Plan:
+    """One request's program, encoded once; each engine request made from it (one per prompt)
+    gets its own program id, in prompt order."""
+
+    ops_data: list[dict[str, Any]]
+    digest: str
+    program_ids: list[str] = field(default_factory=list)
+
+    def attach(self, params: SamplingParams) -> SamplingParams:
+        """Give one engine request's sampling parameters a program of their own, and keep it
+        off cached prompt blocks (the program must see every prompt row)."""
+        program_id = new_program_id()
+        params.extra_args = {**(params.extra_args or {}),
+                             EXTRA_ARGS_KEY: encode(program_id, self.ops_data, self.digest)}
+        params.skip_reading_prefix_cache = True
+        self.program_ids.append(program_id)
+        return params
+
+
+class InterpCompletionRequest(CompletionRequest):
+    """vLLM's completion request with `interventions`."""
+
+    interventions: Any = None  # checked by json_ops, whose errors say what to send
+    _interp: Plan | None = PrivateAttr(default=None)
+
+    def to_sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
+        """vLLM's, with this request's program attached (called once per prompt)."""
+        params = super().to_sampling_params(*args, **kwargs)
+        return params if self._interp is None else self._interp.attach(params)
+
+
+class InterpChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's chat completion request with `interventions`."""
+
+    interventions: Any = None  # checked by json_ops, whose errors say what to send
+    _interp: Plan | None = PrivateAttr(default=None)
+
+    def to_sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
+        """vLLM's, with this request's program attached."""
+        params = super().to_sampling_params(*args, **kwargs)
+        return params if self._interp is None else self._interp.attach(params)
+
+
+class ServerState:
+    """What the routes share: the engine, the model's limits, resolved locations."""
+
+    def __init__(self, engine_client: Any) -> None:
+        self.engine = engine_client
+        self.allow_code = os.environ.get(ALLOW_CODE_VARIABLE) == "1"
+        model_config = engine_client.model_config
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.max_model_len = int(model_config.max_model_len)
+        self._resolved: dict[str, str | None] = {}  # pattern -> None, or why it is refused
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def plan(self, interventions: Any) -> Plan:
+        """Check a request's interventions against the model and encode them; raises
+        `InterventionInputError` naming the first bad field."""
+        ops = ops_from_json(interventions, lambda name: None, allow_code=self.allow_code)
+        await self._check(ops)
+        data = encode_ops(ops)
+        return Plan(data, program_digest(data))
+
+    async def _check(self, ops: list[Op]) -> None:
+        unknown = sorted({p for op in ops for p in op.patterns()} - set(self._resolved))
+        if unknown:
+            (answer, *_) = await self.engine.collective_rpc("interp_resolve", args=(unknown,))
+            for pattern in unknown:
+                self._resolved[pattern] = answer["errors"].get(pattern)
+        for index, op in enumerate(ops):
+            for pattern in op.patterns():
+                if (refused := self._resolved[pattern]) is not None:
+                    raise InterventionInputError(f"interventions[{index}].location", refused)
+            try:
+                check_op_fits(op, self.vocab_size, self.max_model_len)
+            except ValueError as error:
+                raise InterventionInputError(f"interventions[{index}]", str(error)) from None
+
+    async def collect(self, body: dict[str, Any], plan: Plan, keep_token_ids: bool) -> None:
+        """Put each choice's saves and error on it (`choice["interp"]`)."""
+        prompt_ids = body.get("prompt_token_ids")
+        finished = []
+        for choice in body["choices"]:
+            prompt = choice.get("prompt_token_ids") or prompt_ids or []
+            generated = len(choice.get("token_ids") or ())
+            finished.append({"program_id": plan.program_ids[choice["index"]],
+                             "computed": len(prompt) + max(generated - 1, 0),
+                             "prompt_length": len(prompt)})
+        (data, *_) = await self.engine.collective_rpc("interp_collect", args=(finished, True))
+        collected = wire.decode(data)
+        for choice in body["choices"]:
+            result = collected.get(plan.program_ids[choice["index"]], {})
+            choice["interp"] = {"saves": saves_to_json(result.get("saved", {})),
+                                "error": result.get("error")}
+            if not keep_token_ids:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+        if not keep_token_ids:
+            body.pop("prompt_token_ids", None)
+
+    def abandon(self, raw_request: Request, plan: Plan) -> None:
+        """After a request failed or its client went away: abort its engine requests, then free
+        what they saved (in that order, so no later step saves for them)."""
+        metadata = getattr(raw_request.state, "request_metadata", None)
+        request_ids = ([f"{metadata.request_id}-{i}" for i in range(len(plan.program_ids))]
+                       if metadata is not None else [])
+
+        async def drop() -> None:
+            if request_ids:
+                await self.engine.abort(request_ids)
+            await self.engine.collective_rpc("interp_drop", args=(list(plan.program_ids),))
+
+        task = asyncio.get_running_loop().create_task(drop())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+
+def _error(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
+    error = ErrorResponse(error=ErrorInfo(message=message, type=status.phrase.replace(" ", ""),
+                                          param=param, code=status.value))
+    return JSONResponse(content=error.model_dump(), status_code=status.value)
+
+
+async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
+                 raw_request: Request,
+                 create: Callable[[Any, Request], Awaitable[Any]]) -> Any:
+    """Serve one request as vLLM's own route does, with its program when it has one."""
+    state: ServerState = raw_request.app.state.interp
+    plan = None
+    if request.interventions is not None:
+        try:
+            plan = await state.plan(request.interventions)
+        except InterventionInputError as error:
+            return _error(HTTPStatus.BAD_REQUEST, str(error), error.field)
+        if (request.n or 1) > 1:
+            return _error(HTTPStatus.BAD_REQUEST, f"n={request.n} with interventions: the "
+                          "samples would share one program's saves; send the request n times",
+                          "n")
+        if request.stream:
+            return _error(HTTPStatus.BAD_REQUEST, "stream=true with interventions is not "
+                          "served yet; send stream=false", "stream")
+        request._interp = plan
+        given = request.cache_salt
+        request.cache_salt = plan.digest if given is None else f"{given}/{plan.digest}"
+    keep_token_ids = bool(request.return_token_ids)
+    if plan is not None:
+        request.return_token_ids = True  # the saves are trimmed to each choice's tokens
+    try:
+        generator = await create(request, raw_request)
+        if isinstance(generator, ErrorResponse):
+            if plan is not None:
+                state.abandon(raw_request, plan)
+            return JSONResponse(content=generator.model_dump(), status_code=generator.error.code)
+        if plan is None:
+            if hasattr(generator, "model_dump"):
+                return JSONResponse(content=generator.model_dump())
+            args = getattr(raw_request.app.state, "args", None)
+            keep_alive = float(getattr(args, "sse_keep_alive_interval", 0) or 0)
+            return StreamingResponse(content=with_sse_keep_alive(generator, keep_alive),
+                                     media_type="text/event-stream")
+        body = generator.model_dump()
+        await state.collect(body, plan, keep_token_ids)
+        return JSONResponse(content=body)
+    except BaseException:
+        if plan is not None:
+            state.abandon(raw_request, plan)
+        raise
+
+
+router = APIRouter()
+_ANSWERS: dict[int | str, dict[str, Any]] = {
+    HTTPStatus.BAD_REQUEST.value: {"model": ErrorResponse}}
+
+
+@router.post("/v1/completions", dependencies=[Depends(validate_json_request)],
+             responses=_ANSWERS)
+@with_cancellation
+@load_aware_call
+async def create_completion(request: InterpCompletionRequest, raw_request: Request) -> Any:
+    """vLLM's `/v1/completions`, with `interventions`."""
+    handler = raw_request.app.state.openai_serving_completion
+    if handler is None:
+        return _error(HTTPStatus.NOT_FOUND, "The model does not support Completions API")
+    return await _serve(request, raw_request, handler.create_completion)
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)],
+             responses=_ANSWERS)
+@with_cancellation
+@load_aware_call
+async def create_chat_completion(request: InterpChatCompletionRequest,
+                                 raw_request: Request) -> Any:
+    """vLLM's `/v1/chat/completions`, with `interventions`."""
+    handler = raw_request.app.state.openai_serving_chat
+    if handler is None:
+        return _error(HTTPStatus.NOT_FOUND, "The model does not support Chat Completions API")
+    return await _serve(request, raw_request, handler.create_chat_completion)
+
+
+@router.get("/v1/interp/support")
+async def support(raw_request: Request) -> Any:
+    """Every value of the served model → `null` if it can be read and edited, else why not (the
+    same table as `LLM.support()`); also how a client checks the interventions are served."""
+    state: ServerState = raw_request.app.state.interp
+    (answer, *_) = await state.engine.collective_rpc("interp_support")
+    return JSONResponse(content=answer)
+
+
+class InterpEndpoints:
+    """The `vllm.endpoint_plugins` entry point: the routes above on vLLM's server."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        """Put the routes on vLLM's app (they replace vLLM's own for the same paths)."""
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        """The routes' shared state, once the engine is up; refuses to start on an engine
+        without the interpretability worker (its requests would silently run no programs)."""
+        if engine_client is None:  # vLLM's render-only server: no engine, nothing to serve
+            return
+        try:
+            await engine_client.collective_rpc("interp_support")
+        except Exception as error:
+            raise RuntimeError(
+                "the vllm_interp endpoint plugin needs the interpretability worker: start the "
+                "server with `vllm-interp serve MODEL`, or pass `--worker-cls "
+                "vllm_runner.worker.InterpGPUWorker` (vllm_runner.cpu_worker.InterpCPUWorker on "
+                f"a CPU) to `vllm serve` ({type(error).__name__}: {error})") from error
+        state.interp = ServerState(engine_client)

@@ -1,0 +1,247 @@
+"""`vllm-interp serve` against the offline `LLM` on the same weights: a real server process on
+127.0.0.1, driven with the `openai` client (`extra_body`) and plain HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import user_environment
+from openai import BadRequestError, OpenAI
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+from vllm_runner.json_ops import tensor_from_json, tensor_to_json
+
+PROMPT = [5, 17, 99, 3, 42, 8, 61]
+TOKENS = 4
+STEER = torch.randn(128, generator=torch.Generator().manual_seed(3))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """`vllm-interp serve` as a user starts it (the installed command, the user's environment)."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    command = [str(Path(sys.executable).parent / "vllm-interp"), "serve", model_dir,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "128", "--max-num-seqs", "8", "--seed", "0",
+               "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env=user_environment())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"the server exited ({process.returncode}):\n"
+                                     f"{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no server after 300 s:\n"
+                                         f"{log_path.read_text()[-4000:]}") from None
+                time.sleep(1)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> OpenAI:
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def _offline(llm, interventions: list, prompt: list[int] = PROMPT) -> Any:
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                             SamplingParams(max_tokens=TOKENS, temperature=0.0),
+                             interventions=interventions, use_tqdm=False)
+    return output
+
+
+def _complete(client: OpenAI, interventions: list | None, prompt: list[int] = PROMPT) -> Any:
+    extra = {} if interventions is None else {"interventions": interventions}
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=TOKENS,
+                                     temperature=0.0, extra_body={**extra,
+                                                                  "return_token_ids": True})
+
+
+def _saves(choice: Any) -> dict[str, torch.Tensor]:
+    interp = choice.model_extra["interp"]
+    assert interp["error"] is None, interp["error"]
+    return {location: tensor_from_json(value, location, lambda name: None)
+            for location, value in interp["saves"].items()}
+
+
+def test_saves_over_http_equal_the_offline_saves_bit_for_bit(client, llm) -> None:
+    response = _complete(client, [{"op": "save", "location": "layers.*.layer_output"},
+                                  {"op": "save", "location": "logits"}])
+    (choice,) = response.choices
+    offline = _offline(llm, [ops.Save("layers.*.layer_output"), ops.Save("logits")])
+    assert list(choice.model_extra["token_ids"]) == list(offline.outputs[0].token_ids)
+    saves = _saves(choice)
+    assert saves.keys() == offline.saved.keys()
+    for location, tensor in offline.saved.items():
+        assert saves[location].dtype == tensor.dtype
+        assert torch.equal(saves[location], tensor), location
+
+
+def test_steering_over_http_changes_the_completion_exactly_as_offline(client, llm) -> None:
+    vector = tensor_to_json(STEER)
+    steered = _complete(client, [{"op": "add", "location": "layers.1.layer_output",
+                                  "vector": vector, "scale": 8.0}])
+    offline = _offline(llm, [ops.Add("layers.1.layer_output", STEER, scale=8.0)])
+    plain = _offline(llm, [])
+    assert list(steered.choices[0].model_extra["token_ids"]) == \
+        list(offline.outputs[0].token_ids)
+    assert list(offline.outputs[0].token_ids) != list(plain.outputs[0].token_ids)
+    as_list = _complete(client, [{"op": "add", "location": "layers.1.layer_output",
+                                  "vector": STEER.tolist(), "scale": 8.0}])
+    assert as_list.choices[0].model_extra["token_ids"] == \
+        steered.choices[0].model_extra["token_ids"]
+
+
+def test_a_plain_request_is_served_as_vllm_serves_it(client, llm) -> None:
+    response = _complete(client, None)
+    assert "interp" not in (response.choices[0].model_extra or {})
+    assert list(response.choices[0].model_extra["token_ids"]) == \
+        list(_offline(llm, []).outputs[0].token_ids)
+
+
+def test_chat_saves_equal_the_offline_chat(client, llm) -> None:
+    messages = [{"role": "user", "content": "hi there"}]
+    response = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=TOKENS, temperature=0.0,
+        extra_body={"interventions": [{"op": "save", "location": "layers.0.attention_output"}]})
+    (offline,) = llm.chat([messages], SamplingParams(max_tokens=TOKENS, temperature=0.0),
+                          interventions=[ops.Save("layers.0.attention_output")],
+                          use_tqdm=False)
+    (choice,) = response.choices
+    assert "token_ids" not in (choice.model_extra or {})  # not asked for: not sent
+    saves = _saves(choice)
+    assert saves.keys() == offline.saved.keys() and len(saves) == 1
+    assert all(torch.equal(saves[name], offline.saved[name]) for name in saves)
+
+
+def test_concurrent_clients_each_get_their_own_rows(client, llm) -> None:
+    prompts = [[(11 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(8)]
+    programs = [[{"op": "save", "location": f"layers.{i % 3}.layer_output"}] if i % 4 else None
+                for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda args: _complete(client, *args),
+                                  zip(programs, prompts, strict=True)))
+    for program, prompt, response in zip(programs, prompts, responses, strict=True):
+        (choice,) = response.choices
+        if program is None:
+            assert list(choice.model_extra["token_ids"]) == \
+                list(_offline(llm, [], prompt).outputs[0].token_ids)
+            continue
+        offline = _offline(llm, [ops.Save(program[0]["location"])], prompt)
+        saves = _saves(choice)
+        assert saves.keys() == offline.saved.keys() and len(saves) == 1
+        assert all(torch.equal(saves[name], offline.saved[name]) for name in saves)
+
+
+@pytest.mark.parametrize(("interventions", "field"), [
+    ([{"op": "save", "location": "layers.9.layer_output"}], "interventions[0].location"),
+    ([{"op": "save", "location": "layers.0.mlp_neurons"}, {"op": "frobnicate",
+                                                           "location": "logits"}],
+     "interventions[1].op"),
+    ([{"op": "add", "location": "layers.0.layer_output", "vector": [1.0, 2.0],
+       "scale": 1e300}], "interventions[0]"),
+    ([{"op": "add", "location": "layers.0.layer_output",
+       "vector": {"base64": "AAAA", "dtype": "float32", "shape": [2]}}],
+     "interventions[0].vector"),
+    ([{"op": "add", "location": "layers.0.layer_output", "vector": {"name": "missing"}}],
+     "interventions[0].vector"),
+    ([{"op": "call", "location": "layers.0.layer_output", "fn": "x"}], "interventions[0].op"),
+    ([{"op": "save", "location": "layers.0.layer_output", "positions": [500]}],
+     "interventions[0]"),
+    ({"op": "save"}, "interventions"),
+])
+def test_bad_interventions_are_a_400_naming_the_field_and_the_server_keeps_serving(
+        client, llm, interventions: Any, field: str) -> None:
+    with pytest.raises(BadRequestError) as refused:
+        _complete(client, interventions)
+    error = refused.value.body
+    assert error["param"] == field, error
+    assert field in error["message"]
+    test_a_plain_request_is_served_as_vllm_serves_it(client, llm)
+
+
+def test_several_samples_with_interventions_are_a_400(client) -> None:
+    with pytest.raises(BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2,
+                                  extra_body={"interventions": [
+                                      {"op": "save", "location": "logits"}]})
+    assert refused.value.body["param"] == "n"
+
+
+def _post(server: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(f"{server}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.load(refused)
+
+
+def test_a_nan_in_a_vector_is_a_400_naming_it(server: str) -> None:
+    # Python's json writes NaN as a bare `NaN`, as many clients do; the openai client refuses to.
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "interventions": [
+        {"op": "add", "location": "layers.0.layer_output",
+         "vector": [1.0, float("nan")] + [0.0] * 126}]}).encode()
+    status, answer = _post(server, body)
+    assert status == 400 and answer["error"]["param"] == "interventions[0]", answer
+    assert "non-finite" in answer["error"]["message"] or "NaN" in answer["error"]["message"]
+
+
+def test_malformed_json_is_a_400(server: str) -> None:
+    request = urllib.request.Request(f"{server}/v1/completions", data=b'{"model": "tiny", ',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400
+
+
+def test_plain_http_and_the_support_table(server: str) -> None:
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                       "interventions": [{"op": "lens", "location": "layers.2.layer_output",
+                                          "top_k": 3, "positions": [-1]}]}).encode()
+    request = urllib.request.Request(f"{server}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        choice = json.load(answer)["choices"][0]
+    assert "token_ids" not in choice
+    saves = choice["interp"]["saves"]
+    tokens = saves["layers.2.layer_output.lens_tokens"]
+    assert tokens["shape"] == [1, 1, 3]
+    assert len(base64.b64decode(tokens["base64"])) == 3 * 8  # int64 token ids
+    with urllib.request.urlopen(f"{server}/v1/interp/support", timeout=30) as answer:
+        support = json.load(answer)
+    assert support["layers.0.layer_output"] is None
