@@ -147,6 +147,47 @@ def test_chat_saves_equal_the_offline_chat(client, llm) -> None:
     assert all(torch.equal(saves[name], offline.saved[name]) for name in saves)
 
 
+def _streamed_saves(chunks: list[Any]) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The generated token ids of a streamed completion and the saves of its last event."""
+    tokens = [t for chunk in chunks for choice in chunk.choices
+              for t in (choice.model_extra or {}).get("token_ids") or ()]
+    (last,) = [choice for chunk in chunks for choice in chunk.choices
+               if "interp" in (choice.model_extra or {})]
+    assert chunks[-1].choices[0] is last  # the saves come with the stream's last event
+    return tokens, _saves(last)
+
+
+def test_a_streamed_completion_steers_from_the_first_token_and_ends_with_its_saves(
+        client, llm) -> None:
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0.0, stream=True,
+        extra_body={"return_token_ids": True, "interventions": [
+            {"op": "add", "location": "layers.1.layer_output", "vector": STEER.tolist(),
+             "scale": 8.0},
+            {"op": "save", "location": "layers.2.layer_output"}]})
+    tokens, saves = _streamed_saves(list(stream))
+    offline = _offline(llm, [ops.Add("layers.1.layer_output", STEER, scale=8.0),
+                             ops.Save("layers.2.layer_output")])
+    assert tokens == list(offline.outputs[0].token_ids)
+    assert saves.keys() == offline.saved.keys()
+    assert all(torch.equal(saves[name], offline.saved[name]) for name in saves)
+
+
+def test_a_streamed_chat_ends_with_its_saves_and_no_token_ids_it_did_not_ask_for(
+        client, llm) -> None:
+    messages = [{"role": "user", "content": "stream it"}]
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=TOKENS, temperature=0.0, stream=True,
+        extra_body={"interventions": [{"op": "save", "location": "layers.1.mlp_output"}]}))
+    assert not any("token_ids" in (choice.model_extra or {}) for chunk in chunks
+                   for choice in chunk.choices)
+    (offline,) = llm.chat([messages], SamplingParams(max_tokens=TOKENS, temperature=0.0),
+                          interventions=[ops.Save("layers.1.mlp_output")], use_tqdm=False)
+    _, saves = _streamed_saves(chunks)
+    assert saves.keys() == offline.saved.keys()
+    assert all(torch.equal(saves[name], offline.saved[name]) for name in saves)
+
+
 def test_concurrent_clients_each_get_their_own_rows(client, llm) -> None:
     prompts = [[(11 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(8)]
     programs = [[{"op": "save", "location": f"layers.{i % 3}.layer_output"}] if i % 4 else None

@@ -16,8 +16,9 @@ Client code (`Call`) is refused over HTTP unless the operator sets `VLLM_INTERP_
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -126,27 +127,55 @@ class ServerState:
             except ValueError as error:
                 raise InterventionInputError(f"interventions[{index}]", str(error)) from None
 
-    async def collect(self, body: dict[str, Any], plan: Plan, keep_token_ids: bool) -> None:
-        """Put each choice's saves and error on it (`choice["interp"]`)."""
-        prompt_ids = body.get("prompt_token_ids")
-        finished = []
-        for choice in body["choices"]:
-            prompt = choice.get("prompt_token_ids") or prompt_ids or []
-            generated = len(choice.get("token_ids") or ())
-            finished.append({"program_id": plan.program_ids[choice["index"]],
-                             "computed": len(prompt) + max(generated - 1, 0),
-                             "prompt_length": len(prompt)})
+    async def results(self, plan: Plan, prompt_lengths: dict[int, int],
+                      generated: dict[int, int]) -> dict[int, dict[str, Any]]:
+        """Each finished engine request's `interp` (saves and error), by choice index (with
+        `n=1`, a choice's index is its prompt's), collected from the worker in one call."""
+        finished = [{"program_id": program_id,
+                     "computed": prompt_lengths.get(index, 0) + max(generated.get(index, 0) - 1,
+                                                                    0),
+                     "prompt_length": prompt_lengths.get(index, 0)}
+                    for index, program_id in enumerate(plan.program_ids)]
         (data, *_) = await self.engine.collective_rpc("interp_collect", args=(finished, True))
         collected = wire.decode(data)
+        return {index: {"saves": saves_to_json(collected.get(program_id, {}).get("saved", {})),
+                        "error": collected.get(program_id, {}).get("error")}
+                for index, program_id in enumerate(plan.program_ids)}
+
+    async def collect(self, body: dict[str, Any], plan: Plan, keep_token_ids: bool) -> None:
+        """Put each choice's saves and error on it (`choice["interp"]`) in a whole response."""
+        counts = TokenCounts()
+        counts.add(body, keep_token_ids)
+        results = await self.results(plan, counts.prompt, counts.generated)
         for choice in body["choices"]:
-            result = collected.get(plan.program_ids[choice["index"]], {})
-            choice["interp"] = {"saves": saves_to_json(result.get("saved", {})),
-                                "error": result.get("error")}
-            if not keep_token_ids:
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
-        if not keep_token_ids:
-            body.pop("prompt_token_ids", None)
+            choice["interp"] = results[choice["index"]]
+
+    async def stream(self, chunks: AsyncGenerator[str, None], raw_request: Request, plan: Plan,
+                     keep_token_ids: bool) -> AsyncGenerator[str, None]:
+        """vLLM's server-sent events of a streamed response, then one more event holding each
+        choice's `interp`, just before `data: [DONE]`. Edits act from the first token."""
+        counts = TokenCounts()
+        finished = False
+        try:
+            async for chunk in chunks:
+                if chunk.startswith("data: [DONE]"):
+                    results = await self.results(plan, counts.prompt, counts.generated)
+                    last = {key: counts.last.get(key) for key in ("id", "object", "created",
+                                                                  "model")}
+                    last["choices"] = [{"index": index, "interp": result}
+                                       for index, result in results.items()]
+                    finished = True
+                    yield f"data: {json.dumps(last)}\n\n"
+                    yield chunk
+                elif chunk.startswith("data: "):
+                    event = json.loads(chunk[len("data: "):])
+                    counts.add(event, keep_token_ids)
+                    yield f"data: {json.dumps(event)}\n\n"
+                else:
+                    yield chunk
+        finally:
+            if not finished:  # the client went away, or the engine failed mid-stream
+                self.abandon(raw_request, plan)
 
     def abandon(self, raw_request: Request, plan: Plan) -> None:
         """After a request failed or its client went away: abort its engine requests, then free
@@ -165,10 +194,47 @@ class ServerState:
         task.add_done_callback(self._pending.discard)
 
 
+class TokenCounts:
+    """Prompt and generated token counts per choice, read from a response or its streamed
+    events (`return_token_ids` is on for requests with a program), which are then stripped of
+    the token ids the client did not ask for."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}
+        self.generated: dict[int, int] = {}
+        self.last: dict[str, Any] = {}
+
+    def add(self, body: dict[str, Any], keep_token_ids: bool) -> None:
+        """Count one response or event (completions put the prompt's ids on each choice, chat
+        at the top)."""
+        shared_prompt = body.get("prompt_token_ids")
+        for choice in body.get("choices") or ():
+            index = int(choice.get("index", 0))
+            prompt = choice.get("prompt_token_ids") or shared_prompt
+            if prompt is not None:
+                self.prompt[index] = len(prompt)
+            self.generated[index] = self.generated.get(index, 0) + len(
+                choice.get("token_ids") or ())
+            if not keep_token_ids:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+        if not keep_token_ids:
+            body.pop("prompt_token_ids", None)
+        self.last = body
+
+
 def _error(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
     error = ErrorResponse(error=ErrorInfo(message=message, type=status.phrase.replace(" ", ""),
                                           param=param, code=status.value))
     return JSONResponse(content=error.model_dump(), status_code=status.value)
+
+
+def _streamed(raw_request: Request, events: AsyncGenerator[str, None]) -> StreamingResponse:
+    """Server-sent events as vLLM's own routes send them (with its keep-alive comments)."""
+    args = getattr(raw_request.app.state, "args", None)
+    keep_alive = float(getattr(args, "sse_keep_alive_interval", 0) or 0)
+    return StreamingResponse(content=with_sse_keep_alive(events, keep_alive),
+                             media_type="text/event-stream")
 
 
 async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
@@ -186,9 +252,6 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
             return _error(HTTPStatus.BAD_REQUEST, f"n={request.n} with interventions: the "
                           "samples would share one program's saves; send the request n times",
                           "n")
-        if request.stream:
-            return _error(HTTPStatus.BAD_REQUEST, "stream=true with interventions is not "
-                          "served yet; send stream=false", "stream")
         request._interp = plan
         given = request.cache_salt
         request.cache_salt = plan.digest if given is None else f"{given}/{plan.digest}"
@@ -204,13 +267,13 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
         if plan is None:
             if hasattr(generator, "model_dump"):
                 return JSONResponse(content=generator.model_dump())
-            args = getattr(raw_request.app.state, "args", None)
-            keep_alive = float(getattr(args, "sse_keep_alive_interval", 0) or 0)
-            return StreamingResponse(content=with_sse_keep_alive(generator, keep_alive),
-                                     media_type="text/event-stream")
-        body = generator.model_dump()
-        await state.collect(body, plan, keep_token_ids)
-        return JSONResponse(content=body)
+            return _streamed(raw_request, generator)
+        if hasattr(generator, "model_dump"):
+            body = generator.model_dump()
+            await state.collect(body, plan, keep_token_ids)
+            return JSONResponse(content=body)
+        return _streamed(raw_request, state.stream(generator, raw_request, plan,
+                                                   keep_token_ids))
     except BaseException:
         if plan is not None:
             state.abandon(raw_request, plan)
