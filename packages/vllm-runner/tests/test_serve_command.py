@@ -1,0 +1,131 @@
+"""`vllm-interp serve`: the `vllm serve` argv it builds (`serve_command`), `VLLM_PLUGINS`
+(`plugins_setting`) and the tensor-parallel size it reads (`_ranks`); no engine is started."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from vllm_runner import serve_command as module
+from vllm_runner.serve_command import _ranks, plugins_setting, serve_command
+
+MODEL = "/models/tiny-llama"
+KV_BYTES = 3 * 2**30
+
+
+def values_of(command: list[str], option: str) -> list[str]:
+    """Every value given to `option`, as `--option value` or `--option=value`."""
+    found = [command[index + 1] for index, item in enumerate(command[:-1]) if item == option]
+    return found + [item.split("=", 1)[1] for item in command if item.startswith(f"{option}=")]
+
+
+@pytest.mark.parametrize(("on_cpu", "worker"), [
+    (True, "vllm_runner.cpu_worker.InterpCPUWorker"),
+    (False, "vllm_runner.worker.InterpGPUWorker")])
+def test_command_is_vllm_serve_with_the_interp_worker_and_eager(on_cpu: bool,
+                                                                worker: str) -> None:
+    options = ["--port", "8123", "--dtype", "float32"]
+    command = serve_command(MODEL, options, on_cpu=on_cpu, kv_cache_bytes=KV_BYTES)
+    assert command[:2] == ["serve", MODEL]
+    assert command[2:2 + len(options)] == options  # the user's options, in their order
+    assert values_of(command, "--worker-cls") == [worker]
+    assert command.count("--enforce-eager") == 1
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_worker_paths_name_real_classes(on_cpu: bool) -> None:
+    path = values_of(serve_command(MODEL, [], on_cpu, None), "--worker-cls")[0]
+    module_name, _, class_name = path.rpartition(".")
+    assert isinstance(getattr(importlib.import_module(module_name), class_name), type)
+
+
+@pytest.mark.parametrize("given", [["--worker-cls", "my.Worker"], ["--worker-cls=my.Worker"]])
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_users_worker_cls_is_kept_and_not_added_again(given: list[str], on_cpu: bool) -> None:
+    command = serve_command(MODEL, given, on_cpu, KV_BYTES)
+    assert values_of(command, "--worker-cls") == ["my.Worker"]
+    assert module.CPU_WORKER not in command and module.GPU_WORKER not in command
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_users_enforce_eager_is_not_duplicated(on_cpu: bool) -> None:
+    command = serve_command(MODEL, ["--enforce-eager", "--port", "1"], on_cpu, KV_BYTES)
+    assert command.count("--enforce-eager") == 1
+    assert command.index("--enforce-eager") == 2  # the user's own, where they put it
+
+
+@pytest.mark.parametrize("refused", [["--no-enforce-eager"], ["--port", "1", "--no-enforce-eager"]])
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_no_enforce_eager_is_refused_naming_it(refused: list[str], on_cpu: bool) -> None:
+    with pytest.raises(ValueError, match="--no-enforce-eager"):
+        serve_command(MODEL, refused, on_cpu, KV_BYTES)
+
+
+def test_cpu_gets_a_kv_cache_when_the_user_sized_none() -> None:
+    command = serve_command(MODEL, ["--port", "1"], on_cpu=True, kv_cache_bytes=KV_BYTES)
+    assert values_of(command, "--kv-cache-memory-bytes") == [str(KV_BYTES)]
+
+
+def test_gpu_gets_no_kv_cache_option() -> None:
+    command = serve_command(MODEL, ["--port", "1"], on_cpu=False, kv_cache_bytes=KV_BYTES)
+    assert values_of(command, "--kv-cache-memory-bytes") == []
+
+
+def test_cpu_without_a_computed_size_adds_none() -> None:
+    command = serve_command(MODEL, [], on_cpu=True, kv_cache_bytes=None)
+    assert values_of(command, "--kv-cache-memory-bytes") == []
+
+
+@pytest.mark.parametrize("sized", [
+    ["--gpu-memory-utilization", "0.5"], ["--gpu-memory-utilization=0.5"],
+    ["--kv-cache-memory-bytes", "1000"], ["--kv-cache-memory-bytes=1000"]])
+def test_cpu_kv_cache_the_user_sized_is_left_alone(sized: list[str]) -> None:
+    command = serve_command(MODEL, sized, on_cpu=True, kv_cache_bytes=KV_BYTES)
+    assert str(KV_BYTES) not in command
+    assert command[2:2 + len(sized)] == sized
+    assert len(values_of(command, "--kv-cache-memory-bytes")) == ("kv-cache" in sized[0])
+
+
+def test_similar_option_names_do_not_count_as_given() -> None:
+    command = serve_command(MODEL, ["--worker-cls-extra", "x", "--enforce-eager-ish"],
+                            on_cpu=True, kv_cache_bytes=KV_BYTES)
+    assert values_of(command, "--worker-cls") == [module.CPU_WORKER]
+    assert command.count("--enforce-eager") == 1
+
+
+def test_serve_command_does_not_change_the_options_given() -> None:
+    options = ["--port", "1"]
+    serve_command(MODEL, options, on_cpu=True, kv_cache_bytes=KV_BYTES)
+    assert options == ["--port", "1"]
+
+
+def test_plugins_setting_unset_names_only_ours() -> None:
+    assert plugins_setting(None) == "vllm_interp"
+    assert plugins_setting("") == "vllm_interp"
+
+
+def test_plugins_setting_keeps_the_users_plugins_first() -> None:
+    assert plugins_setting("a,b") == "a,b,vllm_interp"
+
+
+@pytest.mark.parametrize("current", ["vllm_interp", "a,vllm_interp", "vllm_interp,b"])
+def test_plugins_setting_adds_no_duplicate(current: str) -> None:
+    setting = plugins_setting(current)
+    assert setting.split(",").count("vllm_interp") == 1
+    assert set(setting.split(",")) == set(current.split(","))
+
+
+@pytest.mark.parametrize(("options", "ranks"), [
+    (["--tensor-parallel-size", "2"], 2),
+    (["--port", "1", "-tp=4"], 4),
+    (["-tp", "8", "--port", "1"], 8),
+    (["--tensor-parallel-size=3"], 3),
+    (["--port", "1"], 1),
+    ([], 1)])
+def test_ranks_reads_the_tensor_parallel_size(options: list[str], ranks: int) -> None:
+    assert _ranks(options) == ranks
+
+
+def test_serve_main_imports() -> None:
+    serve_main = importlib.import_module("vllm_runner.serve_main")
+    assert callable(serve_main.main)
