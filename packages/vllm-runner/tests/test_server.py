@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import socket
 import subprocess
@@ -260,6 +261,43 @@ def test_a_nan_in_a_vector_is_a_400_naming_it(server: str) -> None:
     status, answer = _post(server, body)
     assert status == 400 and answer["error"]["param"] == "interventions[0]", answer
     assert "non-finite" in answer["error"]["message"] or "NaN" in answer["error"]["message"]
+
+
+def _held(server: str) -> dict[str, int]:
+    with urllib.request.urlopen(f"{server}/v1/interp/held", timeout=30) as answer:
+        return json.load(answer)
+
+
+def _until_nothing_is_held(server: str) -> dict[str, int]:
+    deadline = time.monotonic() + 60
+    while (held := _held(server))["requests"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return held
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_mid_request_leaves_nothing_held(server: str, client,
+                                                                 llm, stream: bool) -> None:
+    assert _until_nothing_is_held(server) == {"requests": 0, "bytes": 0}
+    host, port = server.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True,
+        "stream": stream, "interventions": [{"op": "save",
+                                             "location": "layers.*.layer_output"}]}),
+        {"Content-Type": "application/json"})
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # it is running
+    else:
+        deadline = time.monotonic() + 30
+        while _held(server)["bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until its first step has saved something
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    assert _until_nothing_is_held(server) == {"requests": 0, "bytes": 0}
+    test_a_plain_request_is_served_as_vllm_serves_it(client, llm)
 
 
 def test_malformed_json_is_a_400(server: str) -> None:

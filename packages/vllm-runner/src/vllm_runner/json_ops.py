@@ -76,7 +76,7 @@ def _tensor_from_base64(value: dict[str, Any], field: str) -> torch.Tensor:
     if missing:
         raise InterventionInputError(field, f"missing {', '.join(missing)} (a tensor as bytes "
                                             "is {\"base64\", \"dtype\", \"shape\"})")
-    dtype = DTYPES.get(value["dtype"])
+    dtype = DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
     if dtype is None:
         raise InterventionInputError(f"{field}.dtype", f"{value['dtype']!r} is not one of "
                                                        f"{', '.join(DTYPES)}")
@@ -102,7 +102,7 @@ def tensor_to_json(tensor: torch.Tensor) -> dict[str, Any]:
     flat = tensor.detach().cpu().contiguous()
     if flat.dtype not in DTYPE_NAMES:
         flat = flat.to(torch.float32)
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    raw = flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return {"dtype": DTYPE_NAMES[flat.dtype], "shape": list(flat.shape),
             "base64": base64.b64encode(raw).decode("ascii")}
 
@@ -124,7 +124,7 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
                                             "..., ...}")
     kind = item.get(TAG)
     known = ", ".join(sorted(set(OPS_BY_KIND) - CODE_OPS))
-    if kind in CODE_OPS and not allow_code:
+    if isinstance(kind, str) and kind in CODE_OPS and not allow_code:
         raise InterventionInputError(f"{field}.op", f"{kind!r} runs client code in the server, "
                                                     "which this server does not allow (its "
                                                     "operator can, with --interp-allow-code); "
@@ -132,8 +132,8 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
     op_class = OPS_BY_KIND.get(kind) if isinstance(kind, str) else None
     if op_class is None:
         raise InterventionInputError(f"{field}.op", f"unknown op {kind!r}; the ops are {known}")
-    if kind == "skip" and "location" not in item and "layer" in item:  # Skip(layer=3)
-        item = {TAG: kind, "location": f"layers.{item['layer']}"}
+    if kind == "skip":
+        item = _skip_item(item, field)
     if not isinstance(item.get("location"), str):
         raise InterventionInputError(f"{field}.location", "a location such as "
                                                           "\"layers.3.layer_output\"")
@@ -156,6 +156,21 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
                                             f"{', '.join(accepted)}") from None
     except ValueError as error:
         raise InterventionInputError(field, str(error)) from None
+
+
+def _skip_item(item: Mapping[str, Any], field: str) -> Mapping[str, Any]:
+    """A skip names its layer as `location` ("layers.3", as in its plain data) or as `layer`
+    (3, as `Skip(layer=3)`), and takes nothing else: it always skips the whole layer."""
+    extra = sorted(set(item) - {TAG, "location", "layer"})
+    if extra:
+        raise InterventionInputError(field, f"skip takes op and location (\"layers.<i>\") or "
+                                            f"layer (<i>), not {', '.join(extra)}: it skips "
+                                            "the whole layer for the request")
+    if "layer" not in item:
+        return item
+    if "location" in item:
+        raise InterventionInputError(field, "skip takes location or layer, not both")
+    return {TAG: "skip", "location": f"layers.{item['layer']}"}
 
 
 def saves_to_json(saved: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:

@@ -319,6 +319,16 @@ async def support(raw_request: Request) -> Any:
     return JSONResponse(content=answer)
 
 
+@router.get("/v1/interp/held")
+async def held(raw_request: Request) -> Any:
+    """What the engine holds for requests not collected yet: `{"requests": n, "bytes": b}`
+    (0 and 0 when nothing runs: saves are freed when their response is sent, or when a request
+    ends early)."""
+    state: ServerState = raw_request.app.state.interp
+    (answer, *_) = await state.engine.collective_rpc("interp_held")
+    return JSONResponse(content=answer)
+
+
 class InterpEndpoints:
     """The `vllm.endpoint_plugins` entry point: the routes above on vLLM's server."""
 

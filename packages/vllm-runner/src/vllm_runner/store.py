@@ -79,6 +79,16 @@ class SaveStore:
         """Bytes of saves held on a device (a GPU) now: what `spill` compares to its limit."""
         return sum(self._device_bytes.values())
 
+    def held(self) -> dict[str, int]:
+        """What is held for requests not collected yet: how many have saves or an error, and
+        the bytes of their saves (on a device or the host). A server reports it so that an
+        operator — or a test — sees memory come back after requests end or are abandoned."""
+        requests = set(self._chunks) | set(self._errors)
+        size = sum(chunk.rows.numel() * chunk.rows.element_size()
+                   for locations in self._chunks.values() for chunks in locations.values()
+                   for chunk in chunks)
+        return {"requests": len(requests), "bytes": size}
+
     def fail(self, program_id: str, message: str) -> None:
         """Record why `program_id`'s program failed (the first failure is kept)."""
         self._errors.setdefault(program_id, message)

@@ -51,6 +51,10 @@ class WorkerRPC:
         """Free the saves of requests that will never be collected."""
         self.model_runner.interp.drop(program_ids)
 
+    def interp_held(self) -> dict[str, int]:
+        """What this worker holds for requests not collected yet (`SaveStore.held`)."""
+        return self.model_runner.interp.store.held()
+
 
 class InterpGPUWorker(WorkerRPC, GPUWorker):
     """vLLM's GPU worker with the interpretability runner (V1 or V2: `runner_attach`)."""
