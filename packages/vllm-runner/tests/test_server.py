@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import socket
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,15 +38,17 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    """`vllm-interp serve` as a user starts it (the installed command, the user's environment)."""
+@contextlib.contextmanager
+def running_server(model_dir: str, folder: Path, *options: str) -> Iterator[str]:
+    """`vllm-interp serve` as a user starts it (the installed command, the user's environment),
+    until the block ends; yields its base URL."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log_path = folder / f"server-{port}.log"
     command = [str(Path(sys.executable).parent / "vllm-interp"), "serve", model_dir,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", "128", "--max-num-seqs", "8", "--seed", "0",
-               "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny"]
+               "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
+               *options]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                    env=user_environment())
@@ -70,6 +74,18 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="module")
+def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vectors")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, vectors: Path, tmp_path_factory: pytest.TempPathFactory):
+    with running_server(model_dir, tmp_path_factory.mktemp("server"), "--interp-vectors",
+                        str(vectors), "--interp-max-locations", "8") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +240,9 @@ def test_concurrent_clients_each_get_their_own_rows(client, llm) -> None:
     ([{"op": "save", "location": "layers.0.layer_output", "positions": [500]}],
      "interventions[0]"),
     ({"op": "save"}, "interventions"),
+    ([{"op": "save", "location": "layers.*.layer_output"},  # 3 + 3 + 3 > 8 allowed
+      {"op": "save", "location": "layers.*.mlp_output"},
+      {"op": "save", "location": "layers.*.layer_input"}], "interventions"),
 ])
 def test_bad_interventions_are_a_400_naming_the_field_and_the_server_keeps_serving(
         client, llm, interventions: Any, field: str) -> None:
@@ -324,3 +343,68 @@ def test_plain_http_and_the_support_table(server: str) -> None:
     with urllib.request.urlopen(f"{server}/v1/interp/support", timeout=30) as answer:
         support = json.load(answer)
     assert support["layers.0.layer_output"] is None
+
+
+def _http(method: str, url: str, body: Any = None) -> tuple[int, dict[str, Any]]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.load(refused)
+
+
+def test_a_registered_vector_steers_by_name_like_the_vector_itself(server, client, llm) -> None:
+    status, answer = _http("PUT", f"{server}/v1/interp/vectors/steer-1", tensor_to_json(STEER))
+    assert (status, answer["shape"]) == (200, [128]), answer
+    by_name = _complete(client, [{"op": "add", "location": "layers.1.layer_output",
+                                  "vector": {"name": "steer-1"}, "scale": 8.0}])
+    offline = _offline(llm, [ops.Add("layers.1.layer_output", STEER, scale=8.0)])
+    assert list(by_name.choices[0].model_extra["token_ids"]) == \
+        list(offline.outputs[0].token_ids)
+    status, answer = _http("GET", f"{server}/v1/interp/vectors/steer-1")
+    assert status == 200 and torch.equal(tensor_from_json(answer, "x", lambda _: None), STEER)
+    assert _http("GET", f"{server}/v1/interp/vectors")[1] == {"vectors": ["steer-1"]}
+
+
+@pytest.mark.parametrize(("name", "body", "status", "field"), [
+    ("../escape", [1.0], 404, None),  # not a route: a name never reaches the disk as a path
+    (".hidden", [1.0], 400, "name"),
+    ("fine", [1.0, float("inf")], 400, "body"),
+    ("fine", {"base64": "AA==", "dtype": "float32", "shape": [1]}, 400, "body"),
+])
+def test_bad_vectors_are_refused_by_name(server, name: str, body: Any, status: int,
+                                         field: str | None) -> None:
+    got, answer = _http("PUT", f"{server}/v1/interp/vectors/{name}", body)
+    assert got == status, answer
+    if field is not None:
+        assert answer["error"]["param"] == field, answer
+    assert "fine" not in _http("GET", f"{server}/v1/interp/vectors")[1]["vectors"]
+
+
+def test_a_restarted_server_keeps_its_vectors_and_runs_its_default_program(
+        model_dir: str, vectors: Path, tmp_path: Path, server, llm) -> None:
+    assert _http("PUT", f"{server}/v1/interp/vectors/kept", tensor_to_json(STEER))[0] == 200
+    default = [{"op": "add", "location": "layers.1.layer_output", "vector": {"name": "kept"},
+                "scale": 8.0}, {"op": "save", "location": "logits"}]
+    program = tmp_path / "default.json"
+    program.write_text(json.dumps(default))
+    with running_server(model_dir, tmp_path, "--interp-vectors", str(vectors),
+                        "--interp-default", str(program)) as again:
+        status, answer = _http("GET", f"{again}/v1/interp/vectors/kept")
+        assert status == 200 and torch.equal(tensor_from_json(answer, "x", lambda _: None),
+                                             STEER)
+        assert _http("GET", f"{again}/v1/interp/default")[1] == {"interventions": default}
+        fresh = OpenAI(base_url=f"{again}/v1", api_key="unused", max_retries=0)
+        (steered,) = _complete(fresh, None).choices  # no interventions: the default runs
+        (own,) = _complete(fresh, [{"op": "save", "location": "logits"}]).choices
+        (none,) = _complete(fresh, []).choices
+    offline = _offline(llm, [ops.Add("layers.1.layer_output", STEER, scale=8.0),
+                             ops.Save("logits")])
+    assert list(steered.model_extra["token_ids"]) == list(offline.outputs[0].token_ids)
+    assert torch.equal(_saves(steered)["logits"], offline.saved["logits"])
+    plain = list(_offline(llm, []).outputs[0].token_ids)
+    assert list(own.model_extra["token_ids"]) == plain  # its own program replaced the default
+    assert list(none.model_extra["token_ids"]) == plain and "interp" not in none.model_extra

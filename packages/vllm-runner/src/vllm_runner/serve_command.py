@@ -4,7 +4,8 @@ interpretability worker and routes (`vllm_runner.server`) and the engine setting
 Every `vllm serve` option keeps its meaning; this adds only what the user left out:
 `--worker-cls` (the worker that runs programs), `--enforce-eager` (forward hooks do not fire in
 compiled graphs), on a CPU a KV cache that fits the machine (as `LLM` does), and `vllm_interp`
-in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin.
+in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin. The `--interp-*` options are the
+operator's settings of the interventions (`server_settings`), taken out before vLLM parses.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from vllm_runner.server import PLUGIN_NAME
+from vllm_runner.server_settings import ServerSettings, split_options
 
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
 CPU_WORKER = "vllm_runner.cpu_worker.InterpCPUWorker"
@@ -69,11 +71,14 @@ def run_serve(model: str, options: Sequence[str]) -> None:
 
     from vllm_runner.engine_start import CPU_KV_CACHE_VARIABLE, default_cpu_kv_cache
 
+    options, interp_environment = split_options(options)
     on_cpu = current_platform.is_cpu()
     kv_cache_bytes = None
     if on_cpu and not os.environ.get(CPU_KV_CACHE_VARIABLE):
         kv_cache_bytes, _free, _node = default_cpu_kv_cache(model, _ranks(options))
     command = serve_command(model, options, on_cpu, kv_cache_bytes)
+    os.environ.update(interp_environment)
+    ServerSettings.from_environment()  # a bad --interp-* value is refused before vLLM starts
     os.environ[PLUGINS_VARIABLE] = plugins_setting(os.environ.get(PLUGINS_VARIABLE))
     print("vllm-interp serve: vllm " + " ".join(command), file=sys.stderr, flush=True)
     os.execv(sys.executable, [sys.executable, "-m", "vllm_runner.serve_main", *command])

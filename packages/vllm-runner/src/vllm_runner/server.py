@@ -10,14 +10,14 @@ with one is checked before it is queued (a bad field is a 400 naming it, and not
 the engine), runs its program in the worker like `LLM.generate`, and each choice of the
 response carries `interp: {"saves": {location: tensor}, "error": null | str}`.
 
-Client code (`Call`) is refused over HTTP unless the operator sets `VLLM_INTERP_SERVE_ALLOW_CODE=1`.
+Client code (`Call`) is refused over HTTP unless the operator starts the server with
+`--interp-allow-code` (`server_settings`). Named vectors live in `vector_registry`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -38,12 +38,19 @@ from vllm.entrypoints.serve.utils.api_utils import (
 from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner import wire
-from vllm_runner.json_ops import InterventionInputError, ops_from_json, saves_to_json
+from vllm_runner.json_ops import (
+    InterventionInputError,
+    ops_from_json,
+    saves_to_json,
+    tensor_from_json,
+    tensor_to_json,
+)
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import EXTRA_ARGS_KEY, encode, encode_ops, new_program_id, program_digest
+from vllm_runner.server_settings import ServerSettings
+from vllm_runner.vector_registry import MAX_VECTOR_BYTES, VectorRegistry
 
-ALLOW_CODE_VARIABLE = "VLLM_INTERP_SERVE_ALLOW_CODE"
 #: The plugin's name, as `VLLM_PLUGINS` must list it.
 PLUGIN_NAME = "vllm_interp"
 
@@ -93,21 +100,25 @@ class InterpChatCompletionRequest(ChatCompletionRequest):
 
 
 class ServerState:
-    """What the routes share: the engine, the model's limits, resolved locations."""
+    """What the routes share: the engine, the model's limits, the operator's settings, the
+    vector registry, resolved locations."""
 
-    def __init__(self, engine_client: Any) -> None:
+    def __init__(self, engine_client: Any, settings: ServerSettings) -> None:
         self.engine = engine_client
-        self.allow_code = os.environ.get(ALLOW_CODE_VARIABLE) == "1"
+        self.settings = settings
+        self.vectors = VectorRegistry(settings.vectors)
         model_config = engine_client.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
-        self._resolved: dict[str, str | None] = {}  # pattern -> None, or why it is refused
+        # pattern -> (how many locations it names, or why it is refused)
+        self._resolved: dict[str, int | str] = {}
         self._pending: set[asyncio.Task[None]] = set()
 
     async def plan(self, interventions: Any) -> Plan:
-        """Check a request's interventions against the model and encode them; raises
-        `InterventionInputError` naming the first bad field."""
-        ops = ops_from_json(interventions, lambda name: None, allow_code=self.allow_code)
+        """Check a request's interventions against the model and the operator's limits and
+        encode them; raises `InterventionInputError` naming the first bad field."""
+        ops = ops_from_json(interventions, self.vectors.get,
+                            allow_code=self.settings.allow_code)
         await self._check(ops)
         data = encode_ops(ops)
         return Plan(data, program_digest(data))
@@ -117,15 +128,25 @@ class ServerState:
         if unknown:
             (answer, *_) = await self.engine.collective_rpc("interp_resolve", args=(unknown,))
             for pattern in unknown:
-                self._resolved[pattern] = answer["errors"].get(pattern)
+                refused = answer["errors"].get(pattern)
+                self._resolved[pattern] = (refused if refused is not None
+                                           else len(answer["resolved"][pattern]))
+        locations = 0
         for index, op in enumerate(ops):
             for pattern in op.patterns():
-                if (refused := self._resolved[pattern]) is not None:
-                    raise InterventionInputError(f"interventions[{index}].location", refused)
+                found = self._resolved[pattern]
+                if isinstance(found, str):
+                    raise InterventionInputError(f"interventions[{index}].location", found)
+                locations += found
             try:
                 check_op_fits(op, self.vocab_size, self.max_model_len)
             except ValueError as error:
                 raise InterventionInputError(f"interventions[{index}]", str(error)) from None
+        if locations > self.settings.max_locations:
+            raise InterventionInputError("interventions", f"the ops act at {locations} locations; "
+                                         f"this server allows {self.settings.max_locations} per "
+                                         "request (its --interp-max-locations): send fewer, or "
+                                         "split them over several requests")
 
     async def results(self, plan: Plan, prompt_lengths: dict[int, int],
                       generated: dict[int, int]) -> dict[int, dict[str, Any]]:
@@ -243,9 +264,12 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
     """Serve one request as vLLM's own route does, with its program when it has one."""
     state: ServerState = raw_request.app.state.interp
     plan = None
-    if request.interventions is not None:
+    # A request's own interventions replace the server's default program (`[]`: none at all).
+    interventions = (request.interventions if request.interventions is not None
+                     else state.settings.default)
+    if interventions:
         try:
-            plan = await state.plan(request.interventions)
+            plan = await state.plan(interventions)
         except InterventionInputError as error:
             return _error(HTTPStatus.BAD_REQUEST, str(error), error.field)
         if (request.n or 1) > 1:
@@ -329,6 +353,73 @@ async def held(raw_request: Request) -> Any:
     return JSONResponse(content=answer)
 
 
+def _registry(raw_request: Request, name: str) -> tuple[VectorRegistry, JSONResponse | None]:
+    state: ServerState = raw_request.app.state.interp
+    problem = state.vectors.check_name(name)
+    return state.vectors, (None if problem is None
+                           else _error(HTTPStatus.BAD_REQUEST, problem, "name"))
+
+
+@router.put("/v1/interp/vectors/{name}")
+async def put_vector(name: str, raw_request: Request) -> Any:
+    """Register a vector under `name` (the body: a list of numbers, or `{"base64", "dtype",
+    "shape"}`), kept on the server's disk; requests then send `{"name": name}`."""
+    vectors, refused = _registry(raw_request, name)
+    if refused is not None:
+        return refused
+    try:
+        body = await raw_request.json()
+        tensor = tensor_from_json(body, "body", lambda _: None)
+    except InterventionInputError as error:
+        return _error(HTTPStatus.BAD_REQUEST, str(error), error.field)
+    except ValueError as error:
+        return _error(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {error}", "body")
+    if tensor.numel() * tensor.element_size() > MAX_VECTOR_BYTES:
+        return _error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"{tensor.numel()} values: a "
+                      f"vector holds at most {MAX_VECTOR_BYTES} bytes", "body")
+    if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+        return _error(HTTPStatus.BAD_REQUEST, "the vector holds NaN or infinity", "body")
+    vectors.put(name, tensor)
+    return JSONResponse(content={"name": name, "dtype": tensor_to_json(tensor)["dtype"],
+                                 "shape": list(tensor.shape)})
+
+
+@router.get("/v1/interp/vectors/{name}")
+async def get_vector(name: str, raw_request: Request) -> Any:
+    """A registered vector, as `{"base64", "dtype", "shape"}` (the form its PUT takes)."""
+    vectors, refused = _registry(raw_request, name)
+    found = None if refused is not None else vectors.get(name)
+    if found is None:
+        return refused or _error(HTTPStatus.NOT_FOUND, f"no vector is registered as {name!r}",
+                                 "name")
+    return JSONResponse(content=tensor_to_json(found))
+
+
+@router.delete("/v1/interp/vectors/{name}")
+async def delete_vector(name: str, raw_request: Request) -> Any:
+    """Forget a registered vector (requests already queued keep their copy)."""
+    vectors, refused = _registry(raw_request, name)
+    if refused is not None:
+        return refused
+    if not vectors.delete(name):
+        return _error(HTTPStatus.NOT_FOUND, f"no vector is registered as {name!r}", "name")
+    return JSONResponse(content={"deleted": name})
+
+
+@router.get("/v1/interp/vectors")
+async def list_vectors(raw_request: Request) -> Any:
+    """The registered vectors' names."""
+    state: ServerState = raw_request.app.state.interp
+    return JSONResponse(content={"vectors": state.vectors.names()})
+
+
+@router.get("/v1/interp/default")
+async def default_program(raw_request: Request) -> Any:
+    """The program requests without `interventions` run (`--interp-default`), or null."""
+    state: ServerState = raw_request.app.state.interp
+    return JSONResponse(content={"interventions": state.settings.default})
+
+
 class InterpEndpoints:
     """The `vllm.endpoint_plugins` entry point: the routes above on vLLM's server."""
 
@@ -352,4 +443,10 @@ class InterpEndpoints:
                 "server with `vllm-interp serve MODEL`, or pass `--worker-cls "
                 "vllm_runner.worker.InterpGPUWorker` (vllm_runner.cpu_worker.InterpCPUWorker on "
                 f"a CPU) to `vllm serve` ({type(error).__name__}: {error})") from error
-        state.interp = ServerState(engine_client)
+        interp = ServerState(engine_client, ServerSettings.from_environment())
+        if interp.settings.default is not None:
+            try:  # a default that no request could run stops the server now, not per request
+                await interp.plan(interp.settings.default)
+            except InterventionInputError as error:
+                raise ValueError(f"--interp-default: {error}") from None
+        state.interp = interp
