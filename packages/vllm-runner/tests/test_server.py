@@ -345,10 +345,13 @@ def test_plain_http_and_the_support_table(server: str) -> None:
     assert support["layers.0.layer_output"] is None
 
 
-def _http(method: str, url: str, body: Any = None) -> tuple[int, dict[str, Any]]:
+def _http(method: str, url: str, body: Any = None,
+          key: str | None = None) -> tuple[int, dict[str, Any]]:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:
             return answer.status, json.load(answer)
@@ -384,7 +387,7 @@ def test_bad_vectors_are_refused_by_name(server, name: str, body: Any, status: i
     assert "fine" not in _http("GET", f"{server}/v1/interp/vectors")[1]["vectors"]
 
 
-def test_a_restarted_server_keeps_its_vectors_and_runs_its_default_program(
+def test_a_restarted_server_keeps_its_vectors_runs_its_default_program_and_checks_its_key(
         model_dir: str, vectors: Path, tmp_path: Path, server, llm) -> None:
     assert _http("PUT", f"{server}/v1/interp/vectors/kept", tensor_to_json(STEER))[0] == 200
     default = [{"op": "add", "location": "layers.1.layer_output", "vector": {"name": "kept"},
@@ -392,12 +395,21 @@ def test_a_restarted_server_keeps_its_vectors_and_runs_its_default_program(
     program = tmp_path / "default.json"
     program.write_text(json.dumps(default))
     with running_server(model_dir, tmp_path, "--interp-vectors", str(vectors),
-                        "--interp-default", str(program)) as again:
-        status, answer = _http("GET", f"{again}/v1/interp/vectors/kept")
+                        "--interp-default", str(program), "--api-key", "sesame") as again:
+        for method, route, body in [("GET", "vectors/kept", None), ("GET", "default", None),
+                                    ("GET", "held", None), ("GET", "support", None),
+                                    ("PUT", "vectors/other", [1.0]),
+                                    ("DELETE", "vectors/kept", None)]:
+            assert _http(method, f"{again}/v1/interp/{route}", body)[0] == 401, route
+            assert _http(method, f"{again}/v1/interp/{route}", body, key="wrong")[0] == 401
+        status, answer = _http("GET", f"{again}/v1/interp/vectors/kept", key="sesame")
         assert status == 200 and torch.equal(tensor_from_json(answer, "x", lambda _: None),
                                              STEER)
-        assert _http("GET", f"{again}/v1/interp/default")[1] == {"interventions": default}
-        fresh = OpenAI(base_url=f"{again}/v1", api_key="unused", max_retries=0)
+        assert _http("GET", f"{again}/v1/interp/default", key="sesame")[1] == \
+            {"interventions": default}
+        names = _http("GET", f"{again}/v1/interp/vectors", key="sesame")[1]["vectors"]
+        assert "kept" in names and "other" not in names  # nothing changed without the key
+        fresh = OpenAI(base_url=f"{again}/v1", api_key="sesame", max_retries=0)
         (steered,) = _complete(fresh, None).choices  # no interventions: the default runs
         (own,) = _complete(fresh, [{"op": "save", "location": "logits"}]).choices
         (none,) = _complete(fresh, []).choices
