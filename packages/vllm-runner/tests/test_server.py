@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from conftest import user_environment
 from openai import BadRequestError, OpenAI
@@ -84,7 +85,8 @@ def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: str, vectors: Path, tmp_path_factory: pytest.TempPathFactory):
     with running_server(model_dir, tmp_path_factory.mktemp("server"), "--interp-vectors",
-                        str(vectors), "--interp-max-locations", "8") as base:
+                        str(vectors), "--interp-max-locations", "8",
+                        "--interp-saves-budget-mib", "0.1") as base:
         yield base
 
 
@@ -297,7 +299,7 @@ def _until_nothing_is_held(server: str) -> dict[str, int]:
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_mid_request_leaves_nothing_held(server: str, client,
                                                                  llm, stream: bool) -> None:
-    assert _until_nothing_is_held(server) == {"requests": 0, "bytes": 0}
+    assert _until_nothing_is_held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
     host, port = server.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
     connection.request("POST", "/v1/completions", json.dumps({
@@ -315,7 +317,7 @@ def test_a_client_that_goes_away_mid_request_leaves_nothing_held(server: str, cl
             time.sleep(0.05)  # until its first step has saved something
     connection.sock.shutdown(socket.SHUT_RDWR)
     connection.close()
-    assert _until_nothing_is_held(server) == {"requests": 0, "bytes": 0}
+    assert _until_nothing_is_held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
     test_a_plain_request_is_served_as_vllm_serves_it(client, llm)
 
 
@@ -420,3 +422,39 @@ def test_a_restarted_server_keeps_its_vectors_runs_its_default_program_and_check
     plain = list(_offline(llm, []).outputs[0].token_ids)
     assert list(own.model_extra["token_ids"]) == plain  # its own program replaced the default
     assert list(none.model_extra["token_ids"]) == plain and "interp" not in none.model_extra
+
+
+def test_saves_kept_under_an_id_are_fetched_once_as_safetensors_equal_to_offline(
+        server, client, llm) -> None:
+    response = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=TOKENS, temperature=0.0,
+        extra_body={"interp_saves": "id", "interventions": [
+            {"op": "save", "location": "layers.*.mlp_neurons"}]})
+    interp = response.choices[0].model_extra["interp"]
+    assert interp["saves"] is None and interp["error"] is None
+    assert _held(server)["kept_bytes"] == interp["saves_bytes"] > 0
+    with urllib.request.urlopen(f"{server}/v1/interp/saves/{interp['saves_id']}",
+                                timeout=60) as answer:
+        fetched = safetensors.torch.load(answer.read())
+    offline = _offline(llm, [ops.Save("layers.*.mlp_neurons")])
+    assert fetched.keys() == offline.saved.keys() and len(fetched) == 3
+    assert all(torch.equal(fetched[name], offline.saved[name]) for name in fetched)
+    assert _http("GET", f"{server}/v1/interp/saves/{interp['saves_id']}")[0] == 404
+    assert _held(server)["kept_bytes"] == 0
+
+
+def test_saves_over_the_servers_budget_are_refused_with_a_message_not_kept(server,
+                                                                           client) -> None:
+    response = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=100, temperature=0.0,
+        extra_body={"interp_saves": "id", "ignore_eos": True, "interventions": [
+            {"op": "save", "location": "layers.*.layer_output"}]})
+    interp = response.choices[0].model_extra["interp"]
+    assert interp["saves_id"] is None and interp["saves"] is None
+    assert "budget" in interp["error"] and "--interp-saves-budget-mib" in interp["error"]
+    assert interp["saves_bytes"] > 0.1 * 2**20
+    assert _held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
+    with pytest.raises(BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={
+            "interp_saves": "later", "interventions": [{"op": "save", "location": "logits"}]})
+    assert refused.value.body["param"] == "interp_saves"

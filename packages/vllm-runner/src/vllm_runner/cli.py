@@ -122,12 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve", help="vLLM's OpenAI-compatible server with per-request interventions",
+        usage="vllm-interp serve [MODEL] [vllm serve options] [--interp-* options]",
         description="Run `vllm serve MODEL OPTIONS` with the interpretability worker and routes: "
                     "/v1/completions and /v1/chat/completions take an `interventions` field. "
-                    "Every `vllm serve` option works as there (see `vllm serve --help`).")
-    serve.add_argument("model", help="model name or folder, as for `vllm serve`")
+                    "Without MODEL, the embedded SmolLM2-135M-Instruct is served. Every `vllm "
+                    "serve` option works as there (see `vllm serve --help`); the operator's "
+                    "options: --interp-vectors DIR (named vectors, default "
+                    "~/.cache/vllm-interp/vectors), --interp-default PROGRAM.json (the program "
+                    "of requests that bring none), --interp-max-locations N (default 256), "
+                    "--interp-allow-code (accept `call` ops: runs clients' pickled code).")
     serve.add_argument("options", nargs=argparse.REMAINDER,
-                       help="any `vllm serve` options, passed on as given")
+                       help="[MODEL] and any `vllm serve` options, passed on as given")
     return parser
 
 
@@ -176,17 +181,20 @@ def _ranges(layers: list[int]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vllm-interp` command: exit 0 when done, 1 when the work failed, 2 for
     bad arguments (found before the engine starts where possible), 130 on Ctrl-C."""
-    parser = build_parser()
-    arguments = parser.parse_args(argv)
-    if arguments.command == "serve":  # vLLM's server: its logs and exit status are its own
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["serve"] and given[1:2] not in (["-h"], ["--help"]):
+        # Everything after `serve` is vLLM's to parse (argparse would take its options for
+        # ours); vLLM's server logs and exit status are its own.
         from vllm_runner.serve_command import run_serve
 
         try:
-            run_serve(arguments.model, arguments.options)
+            run_serve(given[1:])
         except ValueError as error:
             print(f"vllm-interp serve: {error}", file=sys.stderr)
             return 2
         return 0
+    parser = build_parser()
+    arguments = parser.parse_args(given)
     # vLLM logs to stdout at INFO by default; a command's output should be its own. Set before
     # vLLM is first imported (it configures its logging then) and inherited by its processes.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

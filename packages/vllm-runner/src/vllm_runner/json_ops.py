@@ -18,7 +18,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from tokenspan import READ_MODES
 
+from vllm_runner.op_checks import STEPS
 from vllm_runner.op_data import TAG
 from vllm_runner.ops import OPS_BY_KIND, Op
 
@@ -176,3 +178,60 @@ def _skip_item(item: Mapping[str, Any], field: str) -> Mapping[str, Any]:
 def saves_to_json(saved: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """A request's saves (`outputs[i].saved`) in the JSON form, by location."""
     return {location: tensor_to_json(tensor) for location, tensor in saved.items()}
+
+
+def _field_schema(type_name: str) -> dict[str, Any]:
+    """The JSON Schema of one op field, from its annotation (a new kind of field fails here,
+    in the test that checks the documented schema, until it is described)."""
+    whole_numbers = {"type": "array", "items": {"type": "integer"}}
+    known: dict[str, dict[str, Any]] = {
+        "str": {"type": "string"},
+        "float": {"type": "number"},
+        "int": {"type": "integer", "minimum": 1},
+        "torch.Tensor": {"$ref": "#/$defs/tensor"},
+        "tuple[int, ...] | None": {"anyOf": [whole_numbers, {"type": "null"}]},
+        "Steps": {"enum": list(STEPS)},
+        "ReadMode | None": {"anyOf": [{"enum": list(READ_MODES)}, {"type": "null"}]},
+        "Any": {"description": "a cloudpickled function, base64 (only with "
+                               "--interp-allow-code)", "type": "string"},
+    }
+    if type_name not in known:
+        raise TypeError(f"no JSON schema for op fields of type {type_name!r}: add it to "
+                        "json_ops._field_schema")
+    return known[type_name]
+
+
+def interventions_schema(allow_code: bool = False) -> dict[str, Any]:
+    """The JSON Schema of the `interventions` field, made from the op classes themselves (so
+    the documented form cannot drift from what the server accepts)."""
+    variants = []
+    for kind, op_class in OPS_BY_KIND.items():
+        if kind in CODE_OPS and not allow_code:
+            continue
+        fields = [item for item in dataclasses.fields(op_class)]
+        properties: dict[str, Any] = {TAG: {"const": kind}}
+        required = [TAG, "location"]
+        for item in fields:
+            properties[item.name] = _field_schema(str(item.type))
+            if item.default is dataclasses.MISSING and item.name != "location":
+                required.append(item.name)
+        if kind == "skip":
+            properties["location"] = {"type": "string", "pattern": r"^layers\.\d+$"}
+        variants.append({"title": op_class.__name__, "type": "object",
+                         "properties": properties, "required": required,
+                         "additionalProperties": False})
+    tensor = {"description": "a list of numbers (nested for more axes), the raw little-endian "
+                             "bytes of a tensor, or the name of a registered vector",
+              "anyOf": [{"type": "array"},
+                        {"type": "object", "required": ["base64", "dtype", "shape"],
+                         "properties": {"base64": {"type": "string"},
+                                        "dtype": {"enum": list(DTYPES)},
+                                        "shape": {"type": "array",
+                                                  "items": {"type": "integer", "minimum": 0}}},
+                         "additionalProperties": False},
+                        {"type": "object", "required": ["name"],
+                         "properties": {"name": {"type": "string"}},
+                         "additionalProperties": False}]}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": "interventions", "type": "array",
+            "items": {"oneOf": variants}, "$defs": {"tensor": tensor}}

@@ -64,10 +64,38 @@ def plugins_setting(current: str | None) -> str:
     return ",".join([*names, PLUGIN_NAME] if PLUGIN_NAME not in names else names)
 
 
-def run_serve(model: str, options: Sequence[str]) -> None:
+def model_and_options(given: Sequence[str]) -> tuple[str | None, list[str]]:
+    """`[MODEL] OPTIONS` split as `vllm serve` reads them (a model, if any, comes first)."""
+    if given and not given[0].startswith("-"):
+        return given[0], list(given[1:])
+    return None, list(given)
+
+
+def embedded_defaults(options: Sequence[str]) -> list[str]:
+    """What serving the embedded model adds to the options the user left out: float32 (the
+    CPU build would serve the float32 checkpoint in bfloat16) and its own name as the served
+    model's (not the cache folder's path)."""
+    from vllm_runner.embedded import NAME
+
+    added = []
+    if not _given(options, "--dtype"):
+        added += ["--dtype", "float32"]
+    if not _given(options, "--served-model-name"):
+        added += ["--served-model-name", NAME]
+    return [*options, *added]
+
+
+def run_serve(given: Sequence[str]) -> None:
     """Replace this process with `vllm serve` as `serve_command` builds it (signals, logs and
-    the exit status are vLLM's own)."""
+    the exit status are vLLM's own); without a model, the embedded one."""
     from vllm.platforms import current_platform
+
+    model, options = model_and_options(given)
+    if model is None:
+        from vllm_runner.embedded import default_model
+
+        model = default_model(lambda line: print(line, file=sys.stderr, flush=True))
+        options = embedded_defaults(options)
 
     from vllm_runner.engine_start import CPU_KV_CACHE_VARIABLE, default_cpu_kv_cache
 

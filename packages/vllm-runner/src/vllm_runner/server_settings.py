@@ -18,9 +18,18 @@ OPTIONS: dict[str, tuple[str, bool]] = {
     "--interp-vectors": ("VLLM_INTERP_SERVE_VECTORS", True),
     "--interp-default": ("VLLM_INTERP_SERVE_DEFAULT", True),
     "--interp-max-locations": ("VLLM_INTERP_SERVE_MAX_LOCATIONS", True),
+    "--interp-inline-mib": ("VLLM_INTERP_SERVE_INLINE_MIB", True),
+    "--interp-saves-budget-mib": ("VLLM_INTERP_SERVE_SAVES_BUDGET_MIB", True),
+    "--interp-saves-ttl-s": ("VLLM_INTERP_SERVE_SAVES_TTL_S", True),
+}
+#: The defaults of the options with a number: (value, smallest allowed).
+NUMBERS: dict[str, tuple[float, float]] = {
+    "--interp-max-locations": (256, 1),
+    "--interp-inline-mib": (1, 0),
+    "--interp-saves-budget-mib": (1024, 0),
+    "--interp-saves-ttl-s": (600, 1),
 }
 DEFAULT_VECTORS = Path("~/.cache/vllm-interp/vectors")
-DEFAULT_MAX_LOCATIONS = 256
 
 
 def split_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -60,6 +69,11 @@ class ServerSettings:
     vectors: Path
     default: list[Any] | None
     max_locations: int
+    #: Saves up to this many bytes come back in the response; larger ones are kept under an id
+    #: (unless the request asks for one or the other: `interp_saves`).
+    inline_bytes: int
+    saves_budget_bytes: int
+    saves_ttl_s: float
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> ServerSettings:
@@ -74,13 +88,25 @@ class ServerSettings:
             except (OSError, ValueError) as error:
                 raise ValueError(f"--interp-default {path}: not a readable JSON file of "
                                  f"interventions ({error})") from None
-        limit = value("--interp-max-locations")
-        try:
-            max_locations = DEFAULT_MAX_LOCATIONS if limit is None else int(limit)
-        except ValueError:
-            max_locations = 0
-        if max_locations < 1:
-            raise ValueError(f"--interp-max-locations {limit}: a whole number, 1 or more")
+        numbers = {option: _number(option, value(option)) for option in NUMBERS}
         return cls(allow_code=value("--interp-allow-code") == "1",
                    vectors=Path(value("--interp-vectors") or DEFAULT_VECTORS).expanduser(),
-                   default=default, max_locations=max_locations)
+                   default=default, max_locations=int(numbers["--interp-max-locations"]),
+                   inline_bytes=int(numbers["--interp-inline-mib"] * 2**20),
+                   saves_budget_bytes=int(numbers["--interp-saves-budget-mib"] * 2**20),
+                   saves_ttl_s=numbers["--interp-saves-ttl-s"])
+
+
+def _number(option: str, given: str | None) -> float:
+    default, smallest = NUMBERS[option]
+    if given is None:
+        return default
+    try:
+        number = float(given)
+    except ValueError:
+        number = smallest - 1
+    whole = option == "--interp-max-locations"
+    if number < smallest or (whole and not number.is_integer()):
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"{option} {given}: {kind}, {smallest:g} or more")
+    return number
