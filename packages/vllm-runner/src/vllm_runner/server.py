@@ -34,6 +34,7 @@ from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner import server_routes
 from vllm_runner.json_ops import InterventionInputError
+from vllm_runner.program import salted
 from vllm_runner.server_requests import InterpChatCompletionRequest, InterpCompletionRequest
 from vllm_runner.server_routes import error_response
 from vllm_runner.server_settings import ServerSettings
@@ -75,8 +76,7 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
                           "samples would share one program's saves; send the request n times",
                           "n")
         request._interp = plan
-        given = request.cache_salt
-        request.cache_salt = plan.digest if given is None else f"{given}/{plan.digest}"
+        request.cache_salt = salted(request.cache_salt, plan.digest)
     keep_token_ids = bool(request.return_token_ids)
     if plan is not None:
         request.return_token_ids = True  # the saves are trimmed to each choice's tokens

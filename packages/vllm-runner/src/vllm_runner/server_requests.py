@@ -10,7 +10,7 @@ from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from vllm_runner.program import EXTRA_ARGS_KEY, encode, new_program_id
+from vllm_runner.program import attach_program
 
 
 @dataclass
@@ -28,11 +28,7 @@ class Plan:
     def attach(self, params: SamplingParams) -> SamplingParams:
         """Give one engine request's sampling parameters a program of their own, and keep it
         off cached prompt blocks (the program must see every prompt row)."""
-        program_id = new_program_id()
-        params.extra_args = {**(params.extra_args or {}),
-                             EXTRA_ARGS_KEY: encode(program_id, self.ops_data, self.digest)}
-        params.skip_reading_prefix_cache = True
-        self.program_ids.append(program_id)
+        self.program_ids.append(attach_program(params, self.ops_data, self.digest))
         return params
 
 

@@ -17,6 +17,7 @@ from vllm_runner.kept_saves import KeptSaves, OverBudget
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import encode_ops, program_digest
+from vllm_runner.runtime import finished_request
 from vllm_runner.server_requests import Plan
 from vllm_runner.server_settings import ServerSettings
 from vllm_runner.vector_registry import VectorRegistry
@@ -76,10 +77,8 @@ class ServerState:
                       generated: dict[int, int]) -> dict[int, dict[str, Any]]:
         """Each finished engine request's `interp` (saves and error), by choice index (with
         `n=1`, a choice's index is its prompt's), collected from the worker in one call."""
-        finished = [{"program_id": program_id,
-                     "computed": prompt_lengths.get(index, 0) + max(generated.get(index, 0) - 1,
-                                                                    0),
-                     "prompt_length": prompt_lengths.get(index, 0)}
+        finished = [finished_request(program_id, prompt_lengths.get(index, 0),
+                                     generated.get(index, 0))
                     for index, program_id in enumerate(plan.program_ids)]
         (data, *_) = await self.engine.collective_rpc("interp_collect", args=(finished, True))
         collected = wire.decode(data)

@@ -1,0 +1,85 @@
+"""`vllm_runner.AsyncLLM` as a user's asyncio program runs it (a script, the user's environment:
+vLLM's engine core in its own process), against the offline `LLM` on the same weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import PROMPTS, user_environment
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+
+STEER = torch.randn(128, generator=torch.Generator().manual_seed(5))
+
+SCRIPT = '''
+import asyncio, sys
+import torch
+from vllm import SamplingParams
+from vllm_runner import AsyncLLM, ops
+
+PROMPTS, STEER = torch.load(sys.argv[2])
+
+async def main():
+    engine = AsyncLLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_seqs=8,
+                      kv_cache_memory_bytes=64 << 20, seed=0)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    async def last(index, interventions):
+        final = None
+        async for output in engine.generate({"prompt_token_ids": PROMPTS[index]}, params,
+                                            f"request-{index}", interventions=interventions):
+            final = output
+        return final
+
+    saved, steered, plain = await asyncio.gather(
+        last(0, [ops.Save("layers.*.layer_output")]),
+        last(1, [ops.Add("layers.1.layer_output", STEER, scale=8.0)]),
+        last(2, None))
+    # A request its caller stops reading: aborted, and what it saved is freed.
+    stream = engine.generate({"prompt_token_ids": PROMPTS[0]},
+                             SamplingParams(max_tokens=100, ignore_eos=True), "stopped",
+                             interventions=[ops.Save("layers.*.layer_output")])
+    async for _ in stream:
+        break
+    await stream.aclose()
+    (held, *_) = await engine.collective_rpc("interp_held")
+    torch.save({"saved": saved.saved, "saved_tokens": list(saved.outputs[0].token_ids),
+                "steered": list(steered.outputs[0].token_ids), "errors": [
+                    saved.error, steered.error, plain.error],
+                "plain": list(plain.outputs[0].token_ids), "plain_saved": plain.saved,
+                "held": held}, sys.argv[3])
+    engine.shutdown()
+
+if __name__ == "__main__":  # vLLM starts its engine core in a process of its own (spawn)
+    asyncio.run(main())
+'''
+
+
+def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
+        model_dir: str, llm, tmp_path: Path) -> None:
+    (tmp_path / "run.py").write_text(SCRIPT)
+    torch.save((PROMPTS, STEER), tmp_path / "inputs.pt")
+    ran = subprocess.run([sys.executable, "run.py", model_dir, "inputs.pt", "out.pt"],
+                         cwd=tmp_path, env=user_environment(), capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    got = torch.load(tmp_path / "out.pt")
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    saved, steered, plain = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS], params,
+        interventions=[[ops.Save("layers.*.layer_output")],
+                       [ops.Add("layers.1.layer_output", STEER, scale=8.0)], []],
+        use_tqdm=False)
+    assert got["errors"] == [None, None, None]
+    assert got["saved_tokens"] == list(saved.outputs[0].token_ids)
+    assert got["saved"].keys() == saved.saved.keys() and len(saved.saved) == 3
+    assert all(torch.equal(got["saved"][name], saved.saved[name]) for name in saved.saved)
+    assert got["steered"] == list(steered.outputs[0].token_ids)
+    assert got["plain"] == list(plain.outputs[0].token_ids) and got["plain_saved"] == {}
+    assert got["steered"] != list(llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])],
+                                               params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert got["held"] == {"requests": 0, "bytes": 0}
