@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,6 +113,37 @@ def user_environment() -> dict[str, str]:
     engines (conftest): what a user's shell has."""
     return {name: value for name, value in os.environ.items()
             if name not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TRITON_F32_DEFAULT")}
+
+
+@contextlib.contextmanager
+def serving(command: list[str], base: str, log_path: Path, cwd: Path | None = None,
+            seconds: float = 400) -> Iterator[str]:
+    """A server process started as a user starts it (`command`, the user's environment), from
+    when `base`/health answers until the block ends; its log's end in any failure."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                   env=user_environment())
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"the server exited ({process.returncode}):\n"
+                                     f"{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no server after {seconds} s:\n"
+                                         f"{log_path.read_text()[-4000:]}") from None
+                time.sleep(1)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def python_blocks(page: Path) -> list[str]:

@@ -8,7 +8,6 @@ import contextlib
 import http.client
 import json
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import user_environment
+from conftest import serving
 from openai import BadRequestError, OpenAI
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -44,37 +43,13 @@ def running_server(model_dir: str, folder: Path, *options: str) -> Iterator[str]
     """`vllm-interp serve` as a user starts it (the installed command, the user's environment),
     until the block ends; yields its base URL."""
     port = _free_port()
-    log_path = folder / f"server-{port}.log"
     command = [str(Path(sys.executable).parent / "vllm-interp"), "serve", model_dir,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", "128", "--max-num-seqs", "8", "--seed", "0",
                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
                *options]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env=user_environment())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"the server exited ({process.returncode}):\n"
-                                     f"{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"no server after 300 s:\n"
-                                         f"{log_path.read_text()[-4000:]}") from None
-                time.sleep(1)
+    with serving(command, f"http://127.0.0.1:{port}", folder / f"server-{port}.log") as base:
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -208,10 +183,10 @@ def test_a_streamed_chat_ends_with_its_saves_and_no_token_ids_it_did_not_ask_for
 
 
 def test_concurrent_clients_each_get_their_own_rows(client, llm) -> None:
-    prompts = [[(11 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(8)]
+    prompts = [[(11 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(16)]
     programs = [[{"op": "save", "location": f"layers.{i % 3}.layer_output"}] if i % 4 else None
-                for i in range(8)]
-    with ThreadPoolExecutor(8) as pool:
+                for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(lambda args: _complete(client, *args),
                                   zip(programs, prompts, strict=True)))
     for program, prompt, response in zip(programs, prompts, responses, strict=True):
@@ -296,14 +271,20 @@ def _until_nothing_is_held(server: str) -> dict[str, int]:
     return held
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_goes_away_mid_request_leaves_nothing_held(server: str, client,
-                                                                 llm, stream: bool) -> None:
+@pytest.mark.parametrize(("route", "stream"), [("completions", True),
+                                               ("completions", False), ("chat/completions", True),
+                                               ("chat/completions", False)])
+def test_a_client_that_goes_away_mid_request_leaves_nothing_held(server: str, client, llm,
+                                                                 route: str,
+                                                                 stream: bool) -> None:
     assert _until_nothing_is_held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
     host, port = server.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    connection.request("POST", "/v1/completions", json.dumps({
-        "model": "tiny", "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True,
+    # As many tokens as max_model_len (128) leaves after the prompt: the longest run there is.
+    prompt = ({"prompt": PROMPT, "max_tokens": 120} if route == "completions" else
+              {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 90})
+    connection.request("POST", f"/v1/{route}", json.dumps({
+        "model": "tiny", **prompt, "ignore_eos": True,
         "stream": stream, "interventions": [{"op": "save",
                                              "location": "layers.*.layer_output"}]}),
         {"Content-Type": "application/json"})

@@ -8,13 +8,10 @@ import json
 import re
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import jsonschema
-from conftest import python_blocks, user_environment
+from conftest import python_blocks, serving, user_environment
 from vllm_runner.json_ops import interventions_schema
 
 DOCS = Path(__file__).parents[3] / "docs"
@@ -49,19 +46,7 @@ def test_the_pages_commands_and_examples_run_as_written(tmp_path: Path) -> None:
     assert start.strip() == "vllm-interp serve --port 8000"
     command = start.strip().split()
     command[0] = str(Path(sys.executable).parent / command[0])
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-                              env=user_environment())
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                with urllib.request.urlopen("http://localhost:8000/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-4000:]
-                time.sleep(1)
+    with serving(command, "http://localhost:8000", tmp_path / "server.log", cwd=tmp_path):
         script = "\n".join(python_blocks(PAGE)) + f"\nprint({DONE!r})\n"
         (tmp_path / "client.py").write_text(script)
         ran = subprocess.run([sys.executable, "client.py"], cwd=tmp_path, env=user_environment(),
@@ -78,10 +63,3 @@ def test_the_pages_commands_and_examples_run_as_written(tmp_path: Path) -> None:
             text = text[end:].strip()
         assert answers[0]["shape"] == [576]
         assert answers[-1]["choices"][0]["interp"]["error"] is None
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()

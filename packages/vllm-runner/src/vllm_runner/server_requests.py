@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import PrivateAttr
+from pydantic import BaseModel, PrivateAttr
 from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -32,21 +32,9 @@ class Plan:
         return params
 
 
-class InterpCompletionRequest(CompletionRequest):
-    """vLLM's completion request with `interventions`."""
-
-    interventions: Any = None  # checked by json_ops, whose errors say what to send
-    interp_saves: Any = "auto"
-    _interp: Plan | None = PrivateAttr(default=None)
-
-    def to_sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
-        """vLLM's, with this request's program attached (called once per prompt)."""
-        params = super().to_sampling_params(*args, **kwargs)
-        return params if self._interp is None else self._interp.attach(params)
-
-
-class InterpChatCompletionRequest(ChatCompletionRequest):
-    """vLLM's chat completion request with `interventions`."""
+class WithInterventions(BaseModel):
+    """The fields a request gains (`interventions`, `interp_saves`), and its program attached
+    to each engine request vLLM makes from it (one per prompt)."""
 
     interventions: Any = None  # checked by json_ops, whose errors say what to send
     interp_saves: Any = "auto"
@@ -54,5 +42,13 @@ class InterpChatCompletionRequest(ChatCompletionRequest):
 
     def to_sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
         """vLLM's, with this request's program attached."""
-        params = super().to_sampling_params(*args, **kwargs)
+        params = super().to_sampling_params(*args, **kwargs)  # type: ignore[misc]
         return params if self._interp is None else self._interp.attach(params)
+
+
+class InterpCompletionRequest(WithInterventions, CompletionRequest):
+    """vLLM's completion request with `interventions`."""
+
+
+class InterpChatCompletionRequest(WithInterventions, ChatCompletionRequest):
+    """vLLM's chat completion request with `interventions`."""

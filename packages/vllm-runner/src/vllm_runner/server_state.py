@@ -143,8 +143,13 @@ class ServerState:
         """After a request failed or its client went away: abort its engine requests, then free
         what they saved (in that order, so no later step saves for them)."""
         metadata = getattr(raw_request.state, "request_metadata", None)
-        request_ids = ([f"{metadata.request_id}-{i}" for i in range(len(plan.program_ids))]
-                       if metadata is not None else [])
+        request_ids: list[str] = []
+        if metadata is not None:
+            # vLLM names a prompt's engine request "<id>-<i>" (completions), "<id>" or "<id>_<i>"
+            # (chat); aborting a name that is not running does nothing.
+            base = metadata.request_id
+            request_ids = [base, *(f"{base}{mark}{i}" for i in range(len(plan.program_ids))
+                                   for mark in "-_")]
 
         async def drop() -> None:
             if request_ids:
