@@ -231,12 +231,16 @@ def test_bad_interventions_are_a_400_naming_the_field_and_the_server_keeps_servi
     test_a_plain_request_is_served_as_vllm_serves_it(client, llm)
 
 
-def test_several_samples_with_interventions_are_a_400(client) -> None:
+@pytest.mark.parametrize(("several", "field"), [({"n": 2}, "n"),
+                                              ({"use_beam_search": True}, "use_beam_search")])
+def test_several_samples_or_beams_with_interventions_are_a_400(client, several: dict,
+                                                               field: str) -> None:
+    n = several.pop("n", 1)
     with pytest.raises(BadRequestError) as refused:
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=2,
-                                  extra_body={"interventions": [
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=n,
+                                  extra_body={**several, "interventions": [
                                       {"op": "save", "location": "logits"}]})
-    assert refused.value.body["param"] == "n"
+    assert refused.value.body["param"] == field
 
 
 def _post(server: str, body: bytes) -> tuple[int, dict[str, Any]]:

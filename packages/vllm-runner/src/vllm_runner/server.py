@@ -71,6 +71,10 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
                           "\"inline\" (in the response), \"id\" (kept for GET "
                           "/v1/interp/saves/{id}) or \"auto\" (by size)", "interp_saves")
         plan.saves = request.interp_saves
+        if getattr(request, "use_beam_search", False):
+            return error_response(HTTPStatus.BAD_REQUEST, "use_beam_search with interventions: "
+                                  "the beams would share one program's saves; send them without "
+                                  "beam search", "use_beam_search")
         if (request.n or 1) > 1:
             return error_response(HTTPStatus.BAD_REQUEST, f"n={request.n} with interventions: the "
                           "samples would share one program's saves; send the request n times",
