@@ -130,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "options: --interp-vectors DIR (named vectors, default "
                     "~/.cache/vllm-interp/vectors), --interp-default PROGRAM.json (the program "
                     "of requests that bring none), --interp-max-locations N (default 256), "
-                    "--interp-allow-code (accept `call` ops: runs clients' pickled code).")
+                    "--interp-inline-mib N (larger saves are kept under an id; default 1), "
+                    "--interp-saves-budget-mib N (all kept saves; default 1024), "
+                    "--interp-saves-ttl-s N (default 600), --interp-allow-code (accept `call` "
+                    "ops: runs clients' pickled code).")
     serve.add_argument("options", nargs=argparse.REMAINDER,
                        help="[MODEL] and any `vllm serve` options, passed on as given")
     return parser

@@ -62,23 +62,25 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
     interventions = (request.interventions if request.interventions is not None
                      else state.settings.default)
     if interventions:
-        try:
-            plan = await state.plan(interventions)
-        except InterventionInputError as error:
-            return error_response(HTTPStatus.BAD_REQUEST, str(error), error.field)
+        # The request's own fields first: they cost nothing to check, the program an RPC.
         if request.interp_saves not in ("auto", "inline", "id"):
-            return error_response(HTTPStatus.BAD_REQUEST, f"interp_saves={request.interp_saves!r}: "
-                          "\"inline\" (in the response), \"id\" (kept for GET "
-                          "/v1/interp/saves/{id}) or \"auto\" (by size)", "interp_saves")
-        plan.saves = request.interp_saves
+            return error_response(HTTPStatus.BAD_REQUEST,
+                                  f"interp_saves={request.interp_saves!r}: \"inline\" (in the "
+                                  "response), \"id\" (kept for GET /v1/interp/saves/{id}) or "
+                                  "\"auto\" (by size)", "interp_saves")
         if getattr(request, "use_beam_search", False):
             return error_response(HTTPStatus.BAD_REQUEST, "use_beam_search with interventions: "
                                   "the beams would share one program's saves; send them without "
                                   "beam search", "use_beam_search")
         if (request.n or 1) > 1:
-            return error_response(HTTPStatus.BAD_REQUEST, f"n={request.n} with interventions: the "
-                          "samples would share one program's saves; send the request n times",
-                          "n")
+            return error_response(HTTPStatus.BAD_REQUEST, f"n={request.n} with interventions: "
+                                  "the samples would share one program's saves; send the "
+                                  "request n times", "n")
+        try:
+            plan = await state.plan(interventions)
+        except InterventionInputError as error:
+            return error_response(HTTPStatus.BAD_REQUEST, str(error), error.field)
+        plan.saves = request.interp_saves
         request._interp = plan
         request.cache_salt = salted(request.cache_salt, plan.digest)
     keep_token_ids = bool(request.return_token_ids)

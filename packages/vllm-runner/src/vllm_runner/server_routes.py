@@ -11,11 +11,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
 from vllm_runner.json_ops import (
+    DTYPE_NAMES,
     InterventionInputError,
     interventions_schema,
     tensor_from_json,
     tensor_to_json,
 )
+from vllm_runner.op_checks import non_finite
 from vllm_runner.server_state import ServerState
 from vllm_runner.vector_registry import MAX_VECTOR_BYTES, VectorRegistry
 
@@ -70,12 +72,13 @@ async def put_vector(name: str, raw_request: Request) -> Any:
     except ValueError as error:
         return error_response(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {error}", "body")
     if tensor.numel() * tensor.element_size() > MAX_VECTOR_BYTES:
-        return error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"{tensor.numel()} values: a "
-                      f"vector holds at most {MAX_VECTOR_BYTES} bytes", "body")
-    if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+        return error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                              f"{tensor.numel()} values: a vector holds at most "
+                              f"{MAX_VECTOR_BYTES} bytes", "body")
+    if tensor.is_floating_point() and non_finite(tensor, on_logits=False):
         return error_response(HTTPStatus.BAD_REQUEST, "the vector holds NaN or infinity", "body")
     vectors.put(name, tensor)
-    return JSONResponse(content={"name": name, "dtype": tensor_to_json(tensor)["dtype"],
+    return JSONResponse(content={"name": name, "dtype": DTYPE_NAMES[tensor.dtype],
                                  "shape": list(tensor.shape)})
 
 
@@ -115,8 +118,9 @@ async def get_saves(saves_id: str, raw_request: Request) -> Any:
     state: ServerState = raw_request.app.state.interp
     data = state.kept.take(saves_id)
     if data is None:
-        return error_response(HTTPStatus.NOT_FOUND, f"no saves are kept as {saves_id!r} (they are "
-                      "deleted when read, and after --interp-saves-ttl-s)", "saves_id")
+        return error_response(HTTPStatus.NOT_FOUND, f"no saves are kept as {saves_id!r} (they "
+                              "are deleted when read, and after --interp-saves-ttl-s)",
+                              "saves_id")
     chunk = 1 << 20
     return StreamingResponse((data[start:start + chunk] for start in range(0, len(data), chunk)),
                              media_type="application/octet-stream",

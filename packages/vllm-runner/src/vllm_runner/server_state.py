@@ -132,7 +132,8 @@ class ServerState:
                 elif chunk.startswith("data: "):
                     event = json.loads(chunk[len("data: "):])
                     counts.add(event, keep_token_ids)
-                    yield f"data: {json.dumps(event)}\n\n"
+                    # Unchanged unless token ids the client did not ask for were taken out.
+                    yield chunk if keep_token_ids else f"data: {json.dumps(event)}\n\n"
                 else:
                     yield chunk
         finally:
