@@ -7,7 +7,8 @@
 #   benchmarks/gpu/check.sh trap_check   (a) the in-place trap, bf16 and fp32, and bf16 with saves
 #                                         moved to the host at every step
 # The model runner is V1 unless VLLM_USE_V2_MODEL_RUNNER=1 is set for the command (issue [J]).
-#   benchmarks/gpu/check.sh suites envoys|runner   (b) the equivalence suites of [C] / [D]
+#   benchmarks/gpu/check.sh suites envoys|runner [PYTEST_ARGS...]   (b) the equivalence suites of
+#                                         [C] / [D]; extra arguments (e.g. -k) go to pytest
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
@@ -49,9 +50,11 @@ trap_check() {
 suites() {
   # (b) [C]'s suite with transformers on the same GPU (`suites envoys`), or [D]'s with its oracle
   # on the CPU (`suites runner`): each fits one 10-minute call. The tests that need the embedded
-  # model or the CLI are left out, and the interrupt test (it expects the CPU's in-process
-  # engine); tensor parallelism runs where there are two GPUs.
-  local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE)
+  # model or the CLI are left out, the interrupt test (it expects the CPU's in-process engine),
+  # the server's (they start `vllm-interp serve`, a console script that exists only where the
+  # packages are pip-installed, not on this PYTHONPATH) and mypy's (not staged); tensor
+  # parallelism runs where there are two GPUs.
+  local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE "${@:2}")
   export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
   if [ "$which" = envoys ]; then
     VLLM_INTERP_ORACLE_DEVICE=cuda $python -m pytest "${report[@]}" \
@@ -64,7 +67,8 @@ suites() {
     for f in packages/vllm-runner/tests/test_*.py; do
       case $(basename "$f") in
         test_embedded.py|test_cli.py|test_extract.py|test_guide.py|test_readme.py|\
-          test_interrupt.py|test_tensor_parallel.py) ;;
+          test_interrupt.py|test_tensor_parallel.py|test_server.py|test_server_docs.py|\
+          test_types.py) ;;
         *) files+=("$f") ;;
       esac
     done

@@ -24,8 +24,9 @@ from vllm_runner import AsyncLLM, ops
 PROMPTS, STEER = torch.load(sys.argv[2])
 
 async def main():
+    # A small share of a GPU: the test's own offline engine holds memory beside this one.
     engine = AsyncLLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_seqs=8,
-                      kv_cache_memory_bytes=64 << 20, seed=0)
+                      kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=0.15, seed=0)
     params = SamplingParams(max_tokens=4, temperature=0.0)
 
     async def last(index, interventions):
@@ -77,7 +78,12 @@ def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
     assert got["errors"] == [None, None, None]
     assert got["saved_tokens"] == list(saved.outputs[0].token_ids)
     assert got["saved"].keys() == saved.saved.keys() and len(saved.saved) == 3
-    assert all(torch.equal(got["saved"][name], saved.saved[name]) for name in saved.saved)
+    # Bit for bit on the CPU; on a GPU to the last bits only, since its kernels are not
+    # batch-invariant and the two engines split the prompts into different steps.
+    tolerance = 1e-4 if torch.cuda.is_available() else 0.0
+    for name in saved.saved:
+        torch.testing.assert_close(got["saved"][name], saved.saved[name], rtol=tolerance,
+                                   atol=tolerance / 10)
     assert got["steered"] == list(steered.outputs[0].token_ids)
     assert got["plain"] == list(plain.outputs[0].token_ids) and got["plain_saved"] == {}
     assert got["steered"] != list(llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])],
