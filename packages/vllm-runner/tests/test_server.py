@@ -216,6 +216,17 @@ def test_concurrent_clients_each_get_their_own_rows(client, llm) -> None:
     ([{"op": "call", "location": "layers.0.layer_output", "fn": "x"}], "interventions[0].op"),
     ([{"op": "save", "location": "layers.0.layer_output", "positions": [500]}],
      "interventions[0]"),
+    # Shapes the engine's values could never take (hidden 128, 256 neurons, 4 heads of 32),
+    # refused before queueing from the shapes the server learned at start-up.
+    ([{"op": "add", "location": "layers.1.layer_output", "vector": [0.5] * 5}],
+     "interventions[0].vector"),
+    ([{"op": "save", "location": "logits"},
+      {"op": "add", "location": "layers.*.mlp_neurons", "vector": [0.5] * 128}],
+     "interventions[1].vector"),
+    ([{"op": "set", "location": "layers.0.attention_head_outputs", "value": [[0.0] * 32] * 3}],
+     "interventions[0].value"),
+    ([{"op": "project_out", "location": "layers.2.layer_output", "direction": [1.0] * 64}],
+     "interventions[0].direction"),
     ({"op": "save"}, "interventions"),
     ([{"op": "save", "location": "layers.*.layer_output"},  # 3 + 3 + 3 > 8 allowed
       {"op": "save", "location": "layers.*.mlp_output"},

@@ -99,6 +99,11 @@ class Runtime:
         """Every value of the model → `None` if available, else the reason."""
         return self.standard.support()
 
+    def layouts(self) -> dict[str, list[str]]:
+        """Every available value's axis names, by location (a client checks shapes with them)."""
+        return {location: list(self.values[location].eproperty.layout)
+                for location, reason in self.support().items() if reason is None}
+
     # ------------------------------------------------------------------ programs
 
     def program(self, data: ProgramData, prompt_length: int) -> Program | None:

@@ -164,6 +164,7 @@ class InterpEndpoints:
                 "vllm_runner.worker.InterpGPUWorker` (vllm_runner.cpu_worker.InterpCPUWorker on "
                 f"a CPU) to `vllm serve` ({type(error).__name__}: {error})") from error
         interp = ServerState(engine_client, ServerSettings.from_environment())
+        await interp.learn_shapes()
         if interp.settings.default is not None:
             try:  # a default that no request could run stops the server now, not per request
                 await interp.plan(interp.settings.default)

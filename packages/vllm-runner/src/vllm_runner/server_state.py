@@ -10,16 +10,18 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
+from vllm import SamplingParams
 
 from vllm_runner import wire
 from vllm_runner.json_ops import InterventionInputError, ops_from_json, saves_to_json
 from vllm_runner.kept_saves import KeptSaves, OverBudget
 from vllm_runner.op_limits import check_op_fits
-from vllm_runner.ops import Op
+from vllm_runner.ops import Op, Save
 from vllm_runner.program import encode_ops, program_digest
 from vllm_runner.runtime import finished_request
 from vllm_runner.server_requests import Plan
 from vllm_runner.server_settings import ServerSettings
+from vllm_runner.value_shapes import ValueShape, check_tensors_fit, shapes_from_saves
 from vllm_runner.vector_registry import VectorRegistry
 
 
@@ -35,9 +37,31 @@ class ServerState:
         model_config = engine_client.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
-        # pattern -> (how many locations it names, or why it is refused)
-        self._resolved: dict[str, int | str] = {}
+        # pattern -> (the locations it names, or why it is refused)
+        self._resolved: dict[str, list[str] | str] = {}
+        # location -> its shape at one token (`learn_shapes`; empty: nothing checked before
+        # queueing, the worker still checks every step)
+        self.shapes: dict[str, ValueShape] = {}
         self._pending: set[asyncio.Task[None]] = set()
+
+    async def learn_shapes(self) -> None:
+        """Learn every value's shape at one token from the engine: one request of one token
+        that saves each value with a tokens axis (what the vector checks of `plan` use)."""
+        (layouts, *_) = await self.engine.collective_rpc("interp_layouts")
+        ops: list[Op] = [Save(location) for location, layout in layouts.items()
+                         if "tokens" in layout]
+        data = encode_ops(ops)
+        plan = Plan(data, program_digest(data))
+        params = plan.attach(SamplingParams(max_tokens=1, temperature=0.0))
+        async for _ in self.engine.generate({"prompt_token_ids": [0]}, params,
+                                            f"interp-shapes-{plan.program_ids[0]}"):
+            pass
+        finished = [finished_request(plan.program_ids[0], 1, 1)]
+        (data_out, *_) = await self.engine.collective_rpc("interp_collect", args=(finished, True))
+        collected = wire.decode(data_out).get(plan.program_ids[0], {})
+        if collected.get("error"):
+            raise RuntimeError(f"the engine could not save its values: {collected['error']}")
+        self.shapes = shapes_from_saves(layouts, collected.get("saved", {}))
 
     async def plan(self, interventions: Any) -> Plan:
         """Check a request's interventions against the model and the operator's limits and
@@ -55,18 +79,23 @@ class ServerState:
             for pattern in unknown:
                 refused = answer["errors"].get(pattern)
                 self._resolved[pattern] = (refused if refused is not None
-                                           else len(answer["resolved"][pattern]))
-        locations = 0
+                                           else list(answer["resolved"][pattern]))
+        acting_at: list[list[str]] = []
         for index, op in enumerate(ops):
+            acting_at.append([])
             for pattern in op.patterns():
                 found = self._resolved[pattern]
                 if isinstance(found, str):
                     raise InterventionInputError(f"interventions[{index}].location", found)
-                locations += found
+                acting_at[-1].extend(found)
             try:
                 check_op_fits(op, self.vocab_size, self.max_model_len)
             except ValueError as error:
                 raise InterventionInputError(f"interventions[{index}]", str(error)) from None
+        misfit = check_tensors_fit(ops, acting_at, self.shapes)
+        if misfit is not None:
+            raise InterventionInputError(*misfit)
+        locations = sum(len(found) for found in acting_at)
         if locations > self.settings.max_locations:
             raise InterventionInputError("interventions", f"the ops act at {locations} locations; "
                                          f"this server allows {self.settings.max_locations} per "

@@ -47,6 +47,10 @@ class WorkerRPC:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
         return self.model_runner.interp.support()
 
+    def interp_layouts(self) -> dict[str, list[str]]:
+        """Every available value's axis names, by location. Runs nothing."""
+        return self.model_runner.interp.layouts()
+
     def interp_drop(self, program_ids: list[str]) -> None:
         """Free the saves of requests that will never be collected."""
         self.model_runner.interp.drop(program_ids)

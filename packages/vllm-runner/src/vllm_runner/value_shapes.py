@@ -1,0 +1,85 @@
+"""Each value's shape at one token, learned from the engine once, so that the server refuses a
+tensor that could never fit the value it edits before the request is queued (issue [L]).
+
+The shapes are not computed from the model's config: the values' sizes come from the engine's
+own modules (sharded, fused, per family), so the server asks the engine itself, with one
+request of one token that saves every value that has a tokens axis (`ServerState.learn_shapes`).
+A shape says nothing about token counts: each step's own shape is still checked in the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_runner.ops import Add, Op, ProjectOut, Set
+
+#: The tensor each editing op brings, by its field's name in the op and in JSON.
+TENSOR_FIELDS: dict[type[Op], str] = {Add: "vector", Set: "value", ProjectOut: "direction"}
+
+
+@dataclass(frozen=True)
+class ValueShape:
+    """A value as saved for one token: its axis names and sizes (the tokens axis at 1)."""
+
+    layout: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def token_axis(self) -> int:
+        """The axis that runs along tokens."""
+        return self.layout.index("tokens")
+
+    def describe(self) -> str:
+        """The shape with its axis names, the tokens axis left open, e.g. `[1 tokens 576]`."""
+        sizes = ["tokens" if axis == self.token_axis else str(size)
+                 for axis, size in enumerate(self.shape)]
+        return "[" + " ".join(sizes) + "] (" + " ".join(self.layout) + ")"
+
+
+def shapes_from_saves(layouts: dict[str, list[str]],
+                      saved: dict[str, torch.Tensor]) -> dict[str, ValueShape]:
+    """The shapes of the values a one-token request saved, by location (values it did not save
+    are left out: nothing is checked for them before queueing)."""
+    return {location: ValueShape(tuple(layouts[location]), tuple(tensor.shape))
+            for location, tensor in saved.items() if "tokens" in layouts.get(location, ())}
+
+
+def misfit(op: Op, tensor: torch.Tensor, location: str, value: ValueShape) -> str | None:
+    """Why `tensor` (the op's vector, value or direction) could not fit the value at `location`
+    at any token count, or `None` if it could."""
+    given = tuple(tensor.shape)
+    if isinstance(op, ProjectOut):  # a dot product along the last axis
+        if given == value.shape[-1:]:
+            return None
+        return (f"has shape {list(given)}; a direction for {location} {value.describe()} is one "
+                f"vector along its last axis: give [{value.shape[-1]}]")
+    fits = len(given) <= len(value.shape)  # more axes than the value: never (as in the worker)
+    for offset in range(1, min(len(given), len(value.shape)) + 1):
+        axis = len(value.shape) - offset
+        if axis != value.token_axis and given[-offset] not in (1, value.shape[axis]):
+            fits = False
+    if fits:
+        return None
+    return (f"has shape {list(given)}, which does not broadcast over {location} "
+            f"{value.describe()}: give e.g. [{value.shape[-1]}] for one vector along its last "
+            "axis")
+
+
+def check_tensors_fit(ops: list[Op], locations: list[list[str]],
+                      shapes: dict[str, ValueShape]) -> tuple[str, str] | None:
+    """The first (field, message) of an op whose tensor could not fit one of its values, or
+    `None`; `locations[i]` are the locations op `i` acts at."""
+    for index, (op, acting_at) in enumerate(zip(ops, locations, strict=True)):
+        field_name = TENSOR_FIELDS.get(type(op))
+        if field_name is None:
+            continue
+        tensor: Any = getattr(op, field_name)
+        for location in acting_at:
+            value = shapes.get(location)
+            reason = None if value is None else misfit(op, tensor, location, value)
+            if reason is not None:
+                return f"interventions[{index}].{field_name}", f"{field_name} {reason}"
+    return None
