@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 
@@ -136,3 +137,15 @@ def test_ranks_reads_the_tensor_parallel_size(options: list[str], ranks: int) ->
 def test_serve_main_imports() -> None:
     serve_main = importlib.import_module("vllm_runner.serve_main")
     assert callable(serve_main.main)
+
+
+def test_every_interp_option_is_named_in_the_help_and_on_the_cli_page() -> None:
+    from pathlib import Path
+
+    from vllm_runner import cli
+    from vllm_runner.server_settings import OPTIONS
+
+    page = (Path(__file__).parents[3] / "docs" / "cli.md").read_text()
+    described = inspect.getsource(cli)
+    missing = [option for option in OPTIONS if option not in page or option not in described]
+    assert not missing, f"not documented in docs/cli.md and the serve help: {missing}"

@@ -61,7 +61,8 @@ def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(model_dir: str, vectors: Path, tmp_path_factory: pytest.TempPathFactory):
     with running_server(model_dir, tmp_path_factory.mktemp("server"), "--interp-vectors",
                         str(vectors), "--interp-max-locations", "8",
-                        "--interp-saves-budget-mib", "0.1") as base:
+                        "--interp-saves-budget-mib", "0.1",
+                        "--interp-max-saved-mib", "0.25") as base:
         yield base
 
 
@@ -240,6 +241,35 @@ def test_bad_interventions_are_a_400_naming_the_field_and_the_server_keeps_servi
     assert error["param"] == field, error
     assert field in error["message"]
     test_a_plain_request_is_served_as_vllm_serves_it(client, llm)
+
+
+def test_saves_that_could_pass_the_per_request_limit_are_a_400_before_queueing(server,
+                                                                             client) -> None:
+    # Every layer's layer_output and mlp_neurons: 3 * (128 + 256) * 4 bytes a token. Over
+    # 7 + 99 tokens that could be 0.47 MiB, over the 0.25 this server allows a request.
+    heavy = [{"op": "save", "location": "layers.*.layer_output"},
+             {"op": "save", "location": "layers.*.mlp_neurons"}]
+    with pytest.raises(BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100,
+                                  extra_body={"interventions": heavy})
+    error = refused.value.body
+    assert error["param"] == "interventions" and "--interp-max-saved-mib" in error["message"]
+    # The same values at two positions, or over a short completion, fit.
+    at_two = [{**op, "positions": [0, -1]} for op in heavy]
+    for interventions, tokens in ((at_two, 100), (heavy, 8)):
+        response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=tokens,
+                                             extra_body={"interventions": interventions})
+        assert response.choices[0].model_extra["interp"]["error"] is None
+    # A chat prompt is counted as vLLM renders it; without max_tokens, up to max_model_len.
+    messages = [{"role": "user", "content": "hi there"}]
+    with pytest.raises(BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=messages,
+                                       extra_body={"interventions": heavy})
+    assert refused.value.body["param"] == "interventions"
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                              extra_body={"interventions": heavy})
+    assert response.choices[0].model_extra["interp"]["error"] is None
+    assert _held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
 
 
 @pytest.mark.parametrize(("several", "field"), [({"n": 2}, "n"),

@@ -1,5 +1,6 @@
-"""The server's check of a vector against a value's shape before queueing (`value_shapes`),
-against torch's own broadcasting: refused exactly when no token count would let it fit."""
+"""What the server checks before queueing from the values' shapes (`value_shapes`): a vector is
+refused exactly when torch's broadcasting could not fit it at any token count, and the bound on
+a request's saves is what the engine's own saves take when every token is generated."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.value_shapes import ValueShape, check_tensors_fit, misfit, shapes_from_saves
+from vllm_runner.value_shapes import (
+    ValueShape,
+    check_tensors_fit,
+    misfit,
+    saved_bytes_bound,
+    shapes_from_saves,
+)
 
 SIZES = st.sampled_from([1, 2, 3, 4])
 
@@ -71,9 +80,45 @@ def test_the_first_misfit_names_its_op_and_field_and_the_size_to_give() -> None:
     assert check_tensors_fit(program, located, {}) is None
 
 
-def test_only_values_with_a_tokens_axis_get_a_shape() -> None:
+def test_every_saved_value_gets_its_shape_and_a_pattern_is_left_to_the_worker() -> None:
     layouts = {"layers.0.layer_output": ["batch", "tokens", "hidden"],
                "layers.0.attention_probabilities": ["batch", "heads", "query", "key"]}
     saved = {"layers.0.layer_output": torch.zeros(1, 1, 8),
-             "layers.0.attention_probabilities": torch.zeros(1, 4, 1, 1)}
-    assert shapes_from_saves(layouts, saved) == {"layers.0.layer_output": RESIDUAL}
+             "layers.0.attention_probabilities": torch.zeros(1, 4, 1, 1, dtype=torch.bfloat16)}
+    shapes = shapes_from_saves(layouts, saved)
+    assert shapes["layers.0.layer_output"] == RESIDUAL
+    pattern = shapes["layers.0.attention_probabilities"]
+    assert pattern.token_axis is None and pattern.bytes_per_row() == 4 * 2
+    op = ops.Set("layers.0.attention_probabilities", torch.zeros(3))
+    assert misfit(op, op.value, "layers.0.attention_probabilities", pattern) is None
+
+
+def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> None:
+    """The oracle is the engine's own saves: shapes learned as the server learns them (one
+    request of one token saving every value), then programs run to `max_tokens`."""
+    (layouts, *_) = llm.collective_rpc("interp_layouts")
+    (probe,) = llm.generate([TokensPrompt(prompt_token_ids=[0])],
+                            SamplingParams(max_tokens=1, temperature=0.0),
+                            interventions=[ops.Save(location) for location in layouts],
+                            use_tqdm=False)
+    shapes = shapes_from_saves(layouts, probe.saved)
+    prompt, generated = [5, 17, 99, 3, 42], 4  # one step's prompt: patterns are served
+    programs = [
+        [ops.Save("layers.*.layer_output")],
+        [ops.Save("layers.0.mlp_neurons", positions=(0, -1, 6)),
+         ops.Save("layers.1.attention_queries", steps="decode")],
+        [ops.Save("logits"), ops.Save("layers.2.attention_keys", steps="prefill")],
+        [ops.Save("layers.0.attention_probabilities"), ops.Save("logits", steps="decode"),
+         ops.Add("layers.1.layer_output", torch.zeros(128))],
+    ]
+    for program in programs:
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                                 SamplingParams(max_tokens=generated, temperature=0.0,
+                                                ignore_eos=True),
+                                 interventions=program, use_tqdm=False)
+        assert output.error is None, output.error
+        taken = sum(tensor.numel() * tensor.element_size() for tensor in output.saved.values())
+        located = [[location for pattern in op.patterns() for location in
+                    llm.collective_rpc("interp_resolve", args=(op.patterns(),))[0]["resolved"][
+                        pattern]] for op in program]
+        assert saved_bytes_bound(program, located, shapes, len(prompt), generated) == taken

@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "options: --interp-vectors DIR (named vectors, default "
                     "~/.cache/vllm-interp/vectors), --interp-default PROGRAM.json (the program "
                     "of requests that bring none), --interp-max-locations N (default 256), "
+                    "--interp-max-saved-mib N (the most one request's saves may take, "
+                    "bounded before it is queued; default 1024), "
                     "--interp-inline-mib N (larger saves are kept under an id; default 1), "
                     "--interp-saves-budget-mib N (all kept saves; default 1024), "
                     "--interp-saves-ttl-s N (default 600), --interp-allow-code (accept `call` "

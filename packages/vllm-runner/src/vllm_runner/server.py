@@ -34,6 +34,7 @@ from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner import server_routes
 from vllm_runner.json_ops import InterventionInputError
+from vllm_runner.ops import Save
 from vllm_runner.program import salted
 from vllm_runner.server_requests import InterpChatCompletionRequest, InterpCompletionRequest
 from vllm_runner.server_routes import error_response
@@ -52,9 +53,26 @@ def _streamed(raw_request: Request, events: AsyncGenerator[str, None]) -> Stream
                              media_type="text/event-stream")
 
 
+#: A route's prompt lengths for a request, as vLLM renders its prompts (`None`: vLLM refuses
+#: them, and its own handler will say why).
+PromptLengths = Callable[[Any], Awaitable["list[int] | None"]]
+
+
+def _lengths(engine_inputs: list[Any]) -> list[int] | None:
+    """Each rendered prompt's token count; `None` where one has no token ids to count."""
+    lengths = []
+    for engine_input in engine_inputs:
+        ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) else None
+        if ids is None:
+            return None
+        lengths.append(len(ids))
+    return lengths
+
+
 async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
                  raw_request: Request,
-                 create: Callable[[Any, Request], Awaitable[Any]]) -> Any:
+                 create: Callable[[Any, Request], Awaitable[Any]],
+                 prompt_lengths: PromptLengths) -> Any:
     """Serve one request as vLLM's own route does, with its program when it has one."""
     state: ServerState = raw_request.app.state.interp
     plan = None
@@ -78,6 +96,10 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
                                   "request n times", "n")
         try:
             plan = await state.plan(interventions)
+            if any(isinstance(op, Save) for op in plan.ops):
+                lengths = await prompt_lengths(request)
+                if lengths is not None:
+                    state.check_saved_bytes(plan, lengths, _max_tokens(request))
         except InterventionInputError as error:
             return error_response(HTTPStatus.BAD_REQUEST, str(error), error.field)
         plan.saves = request.interp_saves
@@ -108,6 +130,12 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
         raise
 
 
+def _max_tokens(request: InterpCompletionRequest | InterpChatCompletionRequest) -> int | None:
+    """The most tokens the request asks for, if it says (chat's newer field first)."""
+    asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    return None if asked is None else int(asked)
+
+
 router = APIRouter()
 _ANSWERS: dict[int | str, dict[str, Any]] = {
     HTTPStatus.BAD_REQUEST.value: {"model": ErrorResponse}}
@@ -122,7 +150,11 @@ async def create_completion(request: InterpCompletionRequest, raw_request: Reque
     handler = raw_request.app.state.openai_serving_completion
     if handler is None:
         return error_response(HTTPStatus.NOT_FOUND, "The model does not support Completions API")
-    return await _serve(request, raw_request, handler.create_completion)
+    async def prompt_lengths(request: Any) -> list[int] | None:
+        rendered = await handler.render_completion_request(request)
+        return None if isinstance(rendered, ErrorResponse) else _lengths(rendered)
+
+    return await _serve(request, raw_request, handler.create_completion, prompt_lengths)
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)],
@@ -136,7 +168,11 @@ async def create_chat_completion(request: InterpChatCompletionRequest,
     if handler is None:
         return error_response(HTTPStatus.NOT_FOUND,
                               "The model does not support Chat Completions API")
-    return await _serve(request, raw_request, handler.create_chat_completion)
+    async def prompt_lengths(request: Any) -> list[int] | None:
+        rendered = await handler.render_chat_request(request)
+        return None if isinstance(rendered, ErrorResponse) else _lengths(rendered[1])
+
+    return await _serve(request, raw_request, handler.create_chat_completion, prompt_lengths)
 
 
 class InterpEndpoints:

@@ -10,6 +10,7 @@ from vllm import SamplingParams
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
+from vllm_runner.ops import Op
 from vllm_runner.program import attach_program
 
 
@@ -21,6 +22,9 @@ class Plan:
     ops_data: list[dict[str, Any]]
     digest: str
     program_ids: list[str] = field(default_factory=list)
+    #: The ops decoded, and the locations each acts at (what the saved-bytes bound reads).
+    ops: list[Op] = field(default_factory=list)
+    locations: list[list[str]] = field(default_factory=list)
     #: How the saves come back: "inline" in the response, "id" kept for `GET
     #: /v1/interp/saves/{id}`, "auto" by size (`--interp-inline-mib`).
     saves: str = "auto"

@@ -18,6 +18,7 @@ OPTIONS: dict[str, tuple[str, bool]] = {
     "--interp-vectors": ("VLLM_INTERP_SERVE_VECTORS", True),
     "--interp-default": ("VLLM_INTERP_SERVE_DEFAULT", True),
     "--interp-max-locations": ("VLLM_INTERP_SERVE_MAX_LOCATIONS", True),
+    "--interp-max-saved-mib": ("VLLM_INTERP_SERVE_MAX_SAVED_MIB", True),
     "--interp-inline-mib": ("VLLM_INTERP_SERVE_INLINE_MIB", True),
     "--interp-saves-budget-mib": ("VLLM_INTERP_SERVE_SAVES_BUDGET_MIB", True),
     "--interp-saves-ttl-s": ("VLLM_INTERP_SERVE_SAVES_TTL_S", True),
@@ -25,6 +26,7 @@ OPTIONS: dict[str, tuple[str, bool]] = {
 #: The defaults of the options with a number: (value, smallest allowed).
 NUMBERS: dict[str, tuple[float, float]] = {
     "--interp-max-locations": (256, 1),
+    "--interp-max-saved-mib": (1024, 0),
     "--interp-inline-mib": (1, 0),
     "--interp-saves-budget-mib": (1024, 0),
     "--interp-saves-ttl-s": (600, 1),
@@ -69,6 +71,8 @@ class ServerSettings:
     vectors: Path
     default: list[Any] | None
     max_locations: int
+    #: The most a request's saves may take (bounded before it is queued: `saved_bytes_bound`).
+    max_saved_bytes: int
     #: Saves up to this many bytes come back in the response; larger ones are kept under an id
     #: (unless the request asks for one or the other: `interp_saves`).
     inline_bytes: int
@@ -92,6 +96,7 @@ class ServerSettings:
         return cls(allow_code=value("--interp-allow-code") == "1",
                    vectors=Path(value("--interp-vectors") or DEFAULT_VECTORS).expanduser(),
                    default=default, max_locations=int(numbers["--interp-max-locations"]),
+                   max_saved_bytes=int(numbers["--interp-max-saved-mib"] * 2**20),
                    inline_bytes=int(numbers["--interp-inline-mib"] * 2**20),
                    saves_budget_bytes=int(numbers["--interp-saves-budget-mib"] * 2**20),
                    saves_ttl_s=numbers["--interp-saves-ttl-s"])

@@ -21,7 +21,12 @@ from vllm_runner.program import encode_ops, program_digest
 from vllm_runner.runtime import finished_request
 from vllm_runner.server_requests import Plan
 from vllm_runner.server_settings import ServerSettings
-from vllm_runner.value_shapes import ValueShape, check_tensors_fit, shapes_from_saves
+from vllm_runner.value_shapes import (
+    ValueShape,
+    check_tensors_fit,
+    saved_bytes_bound,
+    shapes_from_saves,
+)
 from vllm_runner.vector_registry import VectorRegistry
 
 
@@ -45,11 +50,10 @@ class ServerState:
         self._pending: set[asyncio.Task[None]] = set()
 
     async def learn_shapes(self) -> None:
-        """Learn every value's shape at one token from the engine: one request of one token
-        that saves each value with a tokens axis (what the vector checks of `plan` use)."""
+        """Learn every value's shape from the engine: one request of one token that saves
+        every value (what `plan` checks tensors and bounds saves with)."""
         (layouts, *_) = await self.engine.collective_rpc("interp_layouts")
-        ops: list[Op] = [Save(location) for location, layout in layouts.items()
-                         if "tokens" in layout]
+        ops: list[Op] = [Save(location) for location in layouts]
         data = encode_ops(ops)
         plan = Plan(data, program_digest(data))
         params = plan.attach(SamplingParams(max_tokens=1, temperature=0.0))
@@ -68,11 +72,28 @@ class ServerState:
         encode them; raises `InterventionInputError` naming the first bad field."""
         ops = ops_from_json(interventions, self.vectors.get,
                             allow_code=self.settings.allow_code)
-        await self._check(ops)
+        locations = await self._check(ops)
         data = encode_ops(ops)
-        return Plan(data, program_digest(data))
+        return Plan(data, program_digest(data), ops=ops, locations=locations)
 
-    async def _check(self, ops: list[Op]) -> None:
+    def check_saved_bytes(self, plan: Plan, prompt_lengths: list[int],
+                          max_tokens: int | None) -> None:
+        """Refuse (`InterventionInputError`) a request whose saves could take more than the
+        operator allows per request, for its prompts as vLLM rendered them."""
+        for prompt_length in prompt_lengths:
+            most = self.max_model_len - prompt_length
+            generated = most if max_tokens is None else min(max_tokens, most)
+            bound = saved_bytes_bound(plan.ops, plan.locations, self.shapes, prompt_length,
+                                      generated)
+            if bound > self.settings.max_saved_bytes:
+                raise InterventionInputError("interventions", (
+                    f"the saves could take {bound / 2**20:.1f} MiB (a prompt of {prompt_length} "
+                    f"tokens, up to {generated} generated); this server allows "
+                    f"{self.settings.max_saved_bytes / 2**20:g} MiB per request (its "
+                    "--interp-max-saved-mib): save fewer locations or positions, or lower "
+                    "max_tokens"))
+
+    async def _check(self, ops: list[Op]) -> list[list[str]]:
         unknown = sorted({p for op in ops for p in op.patterns()} - set(self._resolved))
         if unknown:
             (answer, *_) = await self.engine.collective_rpc("interp_resolve", args=(unknown,))
@@ -101,6 +122,7 @@ class ServerState:
                                          f"this server allows {self.settings.max_locations} per "
                                          "request (its --interp-max-locations): send fewer, or "
                                          "split them over several requests")
+        return acting_at
 
     async def results(self, plan: Plan, prompt_lengths: dict[int, int],
                       generated: dict[int, int]) -> dict[int, dict[str, Any]]:

@@ -9,12 +9,13 @@ A shape says nothing about token counts: each step's own shape is still checked 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vllm_runner.ops import Add, Op, ProjectOut, Set
+from vllm_runner.ops import Add, Op, ProjectOut, Save, Set
 
 #: The tensor each editing op brings, by its field's name in the op and in JSON.
 TENSOR_FIELDS: dict[type[Op], str] = {Add: "vector", Set: "value", ProjectOut: "direction"}
@@ -22,15 +23,17 @@ TENSOR_FIELDS: dict[type[Op], str] = {Add: "vector", Set: "value", ProjectOut: "
 
 @dataclass(frozen=True)
 class ValueShape:
-    """A value as saved for one token: its axis names and sizes (the tokens axis at 1)."""
+    """A value as saved for a one-token prompt: its axis names, its sizes (the tokens axis, or
+    a pattern's query and key axes, at 1) and the bytes of one element as saved."""
 
     layout: tuple[str, ...]
     shape: tuple[int, ...]
+    itemsize: int = 4
 
     @property
-    def token_axis(self) -> int:
-        """The axis that runs along tokens."""
-        return self.layout.index("tokens")
+    def token_axis(self) -> int | None:
+        """The axis that runs along tokens; `None` for a pattern (query by key)."""
+        return self.layout.index("tokens") if "tokens" in self.layout else None
 
     def describe(self) -> str:
         """The shape with its axis names, the tokens axis left open, e.g. `[1 tokens 576]`."""
@@ -38,19 +41,60 @@ class ValueShape:
                  for axis, size in enumerate(self.shape)]
         return "[" + " ".join(sizes) + "] (" + " ".join(self.layout) + ")"
 
+    def bytes_per_row(self) -> int:
+        """Bytes saved per token (per query-key pair for a pattern)."""
+        return math.prod(self.shape) * self.itemsize
+
 
 def shapes_from_saves(layouts: dict[str, list[str]],
                       saved: dict[str, torch.Tensor]) -> dict[str, ValueShape]:
     """The shapes of the values a one-token request saved, by location (values it did not save
     are left out: nothing is checked for them before queueing)."""
-    return {location: ValueShape(tuple(layouts[location]), tuple(tensor.shape))
-            for location, tensor in saved.items() if "tokens" in layouts.get(location, ())}
+    return {location: ValueShape(tuple(layouts[location]), tuple(tensor.shape),
+                                 tensor.element_size())
+            for location, tensor in saved.items() if location in layouts}
+
+
+def saved_bytes_bound(ops: list[Op], locations: list[list[str]],
+                      shapes: dict[str, ValueShape], prompt_length: int,
+                      max_tokens: int) -> int:
+    """The most bytes a request's `Save` ops can keep, for a prompt of `prompt_length` tokens
+    generating up to `max_tokens`: exactly what they keep when it generates all of them.
+
+    Each value is saved at every position the request runs through (the prompt and each
+    generated token but the last), `logits` at each sampled row, a pattern once over the
+    prompt; `positions` and `steps` narrow that. Values whose shape is unknown count nothing."""
+    total = 0
+    run_through = prompt_length + max(max_tokens - 1, 0)
+    for op, acting_at in zip(ops, locations, strict=True):
+        if not isinstance(op, Save):
+            continue
+        for location in acting_at:
+            value = shapes.get(location)
+            if value is None:
+                continue
+            if value.token_axis is None:
+                rows = prompt_length * prompt_length if op.steps != "decode" else 0
+            else:
+                if location == "logits":  # one row per sampled token, the first at prefill
+                    rows = {"all": max_tokens, "prefill": min(max_tokens, 1),
+                            "decode": max(max_tokens - 1, 0)}[op.steps]
+                else:
+                    rows = {"all": run_through, "prefill": prompt_length,
+                            "decode": run_through - prompt_length}[op.steps]
+                if op.positions is not None:
+                    rows = min(rows, len(set(op.positions)))
+            total += rows * value.bytes_per_row()
+    return total
 
 
 def misfit(op: Op, tensor: torch.Tensor, location: str, value: ValueShape) -> str | None:
     """Why `tensor` (the op's vector, value or direction) could not fit the value at `location`
     at any token count, or `None` if it could."""
     given = tuple(tensor.shape)
+    token_axis = value.token_axis
+    if token_axis is None:  # a pattern: its sizes depend on the step (the worker checks)
+        return None
     if isinstance(op, ProjectOut):  # a dot product along the last axis
         if given == value.shape[-1:]:
             return None
@@ -59,7 +103,7 @@ def misfit(op: Op, tensor: torch.Tensor, location: str, value: ValueShape) -> st
     fits = len(given) <= len(value.shape)  # more axes than the value: never (as in the worker)
     for offset in range(1, min(len(given), len(value.shape)) + 1):
         axis = len(value.shape) - offset
-        if axis != value.token_axis and given[-offset] not in (1, value.shape[axis]):
+        if axis != token_axis and given[-offset] not in (1, value.shape[axis]):
             fits = False
     if fits:
         return None
