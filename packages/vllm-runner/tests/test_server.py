@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import serving
+from conftest import LOGPROB_TOLERANCE, serving
 from openai import BadRequestError, OpenAI
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -39,15 +39,19 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, folder: Path, *options: str) -> Iterator[str]:
+def running_server(model_dir: str, folder: Path, *options: str,
+                   bare: bool = False) -> Iterator[str]:
     """`vllm-interp serve` as a user starts it (the installed command, the user's environment),
-    until the block ends; yields its base URL."""
+    until the block ends; yields its base URL. `bare`: vLLM's own `serve` with the same
+    settings, eager as ours, and neither our worker nor our routes (the oracle)."""
     port = _free_port()
-    command = [str(Path(sys.executable).parent / "vllm-interp"), "serve", model_dir,
+    start = ([sys.executable, "-m", "vllm_runner.serve_main"] if bare else
+             [str(Path(sys.executable).parent / "vllm-interp")])
+    command = [*start, "serve", model_dir,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", "128", "--max-num-seqs", "8", "--seed", "0",
                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
-               *options]
+               *(["--enforce-eager"] if bare else []), *options]
     with serving(command, f"http://127.0.0.1:{port}", folder / f"server-{port}.log") as base:
         yield base
 
@@ -78,11 +82,13 @@ def _offline(llm, interventions: list, prompt: list[int] = PROMPT) -> Any:
     return output
 
 
-def _complete(client: OpenAI, interventions: list | None, prompt: list[int] = PROMPT) -> Any:
+def _complete(client: OpenAI, interventions: list | None, prompt: list[int] = PROMPT,
+              **options: Any) -> Any:
     extra = {} if interventions is None else {"interventions": interventions}
     return client.completions.create(model="tiny", prompt=prompt, max_tokens=TOKENS,
                                      temperature=0.0, extra_body={**extra,
-                                                                  "return_token_ids": True})
+                                                                  "return_token_ids": True},
+                                     **options)
 
 
 def _saves(choice: Any) -> dict[str, torch.Tensor]:
@@ -183,16 +189,33 @@ def test_a_streamed_chat_ends_with_its_saves_and_no_token_ids_it_did_not_ask_for
     assert all(torch.equal(saves[name], offline.saved[name]) for name in saves)
 
 
-def test_concurrent_clients_each_get_their_own_rows(client, llm) -> None:
+def test_concurrent_clients_each_get_their_own_rows(client, llm, model_dir: str,
+                                                    tmp_path: Path) -> None:
     prompts = [[(11 * i + j) % 250 + 1 for j in range(5 + i)] for i in range(16)]
     programs = [[{"op": "save", "location": f"layers.{i % 3}.layer_output"}] if i % 4 else None
                 for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
-        responses = list(pool.map(lambda args: _complete(client, *args),
+        responses = list(pool.map(lambda args: _complete(client, *args, logprobs=2),
                                   zip(programs, prompts, strict=True)))
-    for program, prompt, response in zip(programs, prompts, responses, strict=True):
+    plain = [index for index, program in enumerate(programs) if program is None]
+    # The plain requests, which shared steps with the programmed ones, against a bare vLLM
+    # server of the same model and settings: the same tokens and log-probabilities.
+    with running_server(model_dir, tmp_path, bare=True) as bare_server:
+        bare_client = OpenAI(base_url=f"{bare_server}/v1", api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(len(plain)) as pool:
+            bare = dict(zip(plain, pool.map(lambda index: _complete(
+                bare_client, None, prompts[index], logprobs=2), plain), strict=True))
+    for index, (program, prompt, response) in enumerate(zip(programs, prompts, responses,
+                                                            strict=True)):
         (choice,) = response.choices
         if program is None:
+            (expected,) = bare[index].choices
+            assert choice.model_extra["token_ids"] == expected.model_extra["token_ids"]
+            assert choice.text == expected.text
+            for ours, theirs in zip(choice.logprobs.top_logprobs,
+                                    expected.logprobs.top_logprobs, strict=True):
+                assert ours.keys() == theirs.keys()
+                assert all(abs(ours[key] - theirs[key]) <= LOGPROB_TOLERANCE for key in ours)
             assert list(choice.model_extra["token_ids"]) == \
                 list(_offline(llm, [], prompt).outputs[0].token_ids)
             continue
