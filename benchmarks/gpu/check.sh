@@ -3,7 +3,8 @@
 # after the wheel pieces of ../shared/gpu/stage.sh were copied to /tmp/stage (see
 # docs/gpu.md for the calls). Writes everything it measures under $OUT (or ./gpu-out).
 #
-#   benchmarks/gpu/check.sh install      unpack and install the staged vLLM (0.26 or 0.33) under /tmp/site
+#   benchmarks/gpu/check.sh install      unpack and install the staged vLLM (0.26 or 0.33) under /tmp/site,
+#                                         and our wheels if the call carried .gpu-wheels
 #   benchmarks/gpu/check.sh trap_check   (a) the in-place trap, bf16 and fp32, and bf16 with saves
 #                                         moved to the host at every step
 # The model runner is V1 unless VLLM_USE_V2_MODEL_RUNNER=1 is set for the command (issue [J]).
@@ -27,7 +28,18 @@ python=python3
 install() {
   (cd /tmp/stage && cat part* | (mkdir -p w && tar x -C w)) &&
     $python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/w/*.whl &&
-    $python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+    $python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" &&
+    install_ours
+}
+
+install_ours() {
+  # Our four packages as a user installs them, where benchmarks/gpu/build-wheels.sh built them
+  # here and the call carried .gpu-wheels: the `vllm-interp` command and vLLM's entry points
+  # (the server's tests need both). The code that runs stays the checkout's: PYTHONPATH is first.
+  if ls "$root"/.gpu-wheels/*.whl > /dev/null 2>&1; then
+    $python -m pip install -q --no-index --no-deps --no-compile "$root"/.gpu-wheels/*.whl &&
+      command -v vllm-interp
+  fi
 }
 
 trap_check() {
@@ -51,9 +63,8 @@ suites() {
   # (b) [C]'s suite with transformers on the same GPU (`suites envoys`), or [D]'s with its oracle
   # on the CPU (`suites runner`): each fits one 10-minute call. The tests that need the embedded
   # model or the CLI are left out, the interrupt test (it expects the CPU's in-process engine),
-  # the server's (they start `vllm-interp serve`, a console script that exists only where the
-  # packages are pip-installed, not on this PYTHONPATH) and mypy's (not staged); tensor
-  # parallelism runs where there are two GPUs.
+  # mypy's (not staged) and the server's unless our wheels were installed (`install_ours`: they
+  # start the `vllm-interp` command); tensor parallelism runs where there are two GPUs.
   local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE "${@:2}")
   export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
   if [ "$which" = envoys ]; then
@@ -64,11 +75,13 @@ suites() {
     # Without the tests named above and tensor parallelism, the files split in two halves that run
     # side by side, one per GPU (each its own engine); TP=2 then runs on both GPUs.
     local files=() half=(0 1) status=0
+    local server=test_server.py
+    command -v vllm-interp > /dev/null && server=none
     for f in packages/vllm-runner/tests/test_*.py; do
+      [ "$(basename "$f")" = "$server" ] && continue
       case $(basename "$f") in
         test_embedded.py|test_cli.py|test_extract.py|test_guide.py|test_readme.py|\
-          test_interrupt.py|test_tensor_parallel.py|test_server.py|test_server_docs.py|\
-          test_types.py) ;;
+          test_interrupt.py|test_tensor_parallel.py|test_server_docs.py|test_types.py) ;;
         *) files+=("$f") ;;
       esac
     done

@@ -108,6 +108,20 @@ def same_logprobs(one, other) -> bool:
             for a, b in zip(first, second, strict=True))
 
 
+# Values of one request from two engines (a server's and the suite's): equal bit for bit on the
+# CPU; on a GPU to this much, since its kernels are not batch-invariant and a server runs in the
+# user's environment (float32 Triton attention in TF32, no TRITON_F32_DEFAULT: ~5e-4 relative).
+ACROSS_ENGINES = 2e-3 if torch.cuda.is_available() else 0.0
+
+
+def same_values(one: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two engines' values of the same request agree (`ACROSS_ENGINES`)."""
+    if not ACROSS_ENGINES:
+        return torch.equal(one, other)
+    return one.shape == other.shape and torch.allclose(one, other, rtol=ACROSS_ENGINES,
+                                                       atol=ACROSS_ENGINES / 10)
+
+
 def user_environment() -> dict[str, str]:
     """This process's environment without the variables the test suite sets for its own
     engines (conftest): what a user's shell has."""

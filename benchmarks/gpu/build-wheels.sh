@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Our four packages as wheels in .gpu-wheels/ (~200 KB, git-ignored), for a device call to carry
+# (carry=[".gpu-wheels"]): `check.sh install` then installs them as a user would, so the server's
+# tests find the `vllm-interp` command and vLLM finds our endpoint plugin. Run from the root.
+set -euo pipefail
+rm -rf .gpu-wheels
+python -m pip wheel -q --no-deps -w .gpu-wheels ./packages/tokenspan ./packages/tpfragments \
+  ./packages/vllm-envoys ./packages/vllm-runner
+ls .gpu-wheels
