@@ -131,12 +131,13 @@ def user_environment() -> dict[str, str]:
 
 @contextlib.contextmanager
 def serving(command: list[str], base: str, log_path: Path, cwd: Path | None = None,
-            seconds: float = 400) -> Iterator[str]:
-    """A server process started as a user starts it (`command`, the user's environment), from
-    when `base`/health answers until the block ends; its log's end in any failure."""
+            seconds: float = 400, environment: dict[str, str] | None = None) -> Iterator[str]:
+    """A server process started as a user starts it (`command`, the user's environment and
+    what `environment` adds to it), from when `base`/health answers until the block ends; its
+    log's end in any failure."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                   env=user_environment())
+                                   env={**user_environment(), **(environment or {})})
     deadline = time.monotonic() + seconds
     try:
         while True:

@@ -21,7 +21,7 @@ import pytest
 import safetensors.torch
 import torch
 from conftest import LOGPROB_TOLERANCE, same_values, serving
-from openai import BadRequestError, OpenAI
+from openai import APIStatusError, BadRequestError, OpenAI
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
@@ -39,8 +39,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, folder: Path, *options: str,
-                   bare: bool = False) -> Iterator[str]:
+def running_server(model_dir: str, folder: Path, *options: str, bare: bool = False,
+                   environment: dict[str, str] | None = None) -> Iterator[str]:
     """`vllm-interp serve` as a user starts it (the installed command, the user's environment),
     until the block ends; yields its base URL. `bare`: vLLM's own `serve` with the same
     settings, eager as ours, and neither our worker nor our routes (the oracle)."""
@@ -54,7 +54,8 @@ def running_server(model_dir: str, folder: Path, *options: str,
                # A small share of a GPU, beside the suite's own engine (no effect on a CPU).
                "--gpu-memory-utilization", "0.15",
                *(["--enforce-eager"] if bare else []), *options]
-    with serving(command, f"http://127.0.0.1:{port}", folder / f"server-{port}.log") as base:
+    with serving(command, f"http://127.0.0.1:{port}", folder / f"server-{port}.log",
+                 environment=environment) as base:
         yield base
 
 
@@ -494,18 +495,70 @@ def test_saves_kept_under_an_id_are_fetched_once_as_safetensors_equal_to_offline
     assert _held(server)["kept_bytes"] == 0
 
 
-def test_saves_over_the_servers_budget_are_refused_with_a_message_not_kept(server,
-                                                                           client) -> None:
-    response = client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=100, temperature=0.0,
-        extra_body={"interp_saves": "id", "ignore_eos": True, "interventions": [
-            {"op": "save", "location": "layers.*.layer_output"}]})
-    interp = response.choices[0].model_extra["interp"]
-    assert interp["saves_id"] is None and interp["saves"] is None
-    assert "budget" in interp["error"] and "--interp-saves-budget-mib" in interp["error"]
-    assert interp["saves_bytes"] > 0.1 * 2**20
+def test_saves_over_the_servers_budget_are_a_507_before_queueing_or_an_error_not_kept(
+        server, client) -> None:
+    heavy = [{"op": "save", "location": "layers.*.layer_output"}]
+
+    def complete(tokens: int, saves: str) -> Any:
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=tokens,
+                                         temperature=0.0, extra_body={
+                                             "interp_saves": saves, "ignore_eos": True,
+                                             "interventions": heavy})
+
+    # 7 + 99 tokens of every layer's layer_output could take 0.16 MiB, more than the 0.1 MiB
+    # this server keeps for all requests: refused before queueing; inline, no budget applies.
+    with pytest.raises(APIStatusError) as refused:
+        complete(100, "id")
+    error = refused.value.body
+    assert refused.value.status_code == 507 and error["param"] == "interp_saves"
+    assert "--interp-saves-budget-mib" in error["message"]
+    inline = complete(100, "inline").choices[0].model_extra["interp"]
+    assert inline["error"] is None and inline["saves_bytes"] > 0.1 * 2**20
+    # Each of two requests fits alone (0.05 MiB), not both: the second's saves are not kept,
+    # and its interp says why.
+    first, second = (complete(30, "id").choices[0].model_extra["interp"] for _ in range(2))
+    assert first["error"] is None and first["saves_id"] is not None
+    assert second["saves_id"] is None and second["saves"] is None
+    assert "budget" in second["error"] and "--interp-saves-budget-mib" in second["error"]
+    assert _held(server) == {"requests": 0, "bytes": 0, "kept_bytes": first["saves_bytes"]}
+    assert _http("DELETE", f"{server}/v1/interp/saves/{first['saves_id']}")[0] == 200
     assert _held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
     with pytest.raises(BadRequestError) as refused:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={
             "interp_saves": "later", "interventions": [{"op": "save", "location": "logits"}]})
     assert refused.value.body["param"] == "interp_saves"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="tensor parallelism needs two GPUs")
+def test_a_tensor_parallel_server_saves_and_steers_as_the_single_process_engine(
+        model_dir: str, llm, tmp_path: Path) -> None:
+    # Two ranks, each on one core (vLLM's CPU backend asks for the binding under tensor
+    # parallelism); the single-process offline engine is the oracle.
+    with running_server(model_dir, tmp_path, "--tensor-parallel-size", "2",
+                        "--distributed-executor-backend", "mp",
+                        environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        program = [{"op": "save", "location": "layers.*.attention_queries"},
+                   {"op": "save", "location": "layers.2.mlp_neurons"},
+                   {"op": "save", "location": "logits"}]
+        saved = _complete(client, program)
+        steer = {"op": "add", "location": "layers.1.layer_output",
+                 "vector": STEER.tolist(), "scale": 8.0}
+        steered = _complete(client, [steer])
+        held = _held(base)
+    offline = _offline(llm, [ops.Save("layers.*.attention_queries"),
+                             ops.Save("layers.2.mlp_neurons"), ops.Save("logits")])
+    (choice,) = saved.choices
+    assert list(choice.model_extra["token_ids"]) == list(offline.outputs[0].token_ids)
+    saves = _saves(choice)
+    assert saves.keys() == offline.saved.keys() and len(saves) == 5
+    for location, expected in offline.saved.items():  # whole values, gathered over the ranks
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(saves[location], expected, rtol=0,
+                                   atol=1e-4 * max(scale, 1e-6), msg=location)
+    offline_steered = _offline(llm, [ops.Add("layers.1.layer_output", STEER, scale=8.0)])
+    assert list(steered.choices[0].model_extra["token_ids"]) == \
+        list(offline_steered.outputs[0].token_ids)
+    assert list(steered.choices[0].model_extra["token_ids"]) != \
+        list(_offline(llm, []).outputs[0].token_ids)
+    assert held == {"requests": 0, "bytes": 0, "kept_bytes": 0}

@@ -15,6 +15,7 @@ import binascii
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 import torch
@@ -39,6 +40,9 @@ VectorLookup = Callable[[str], torch.Tensor | None]
 class InterventionInputError(ValueError):
     """One field of a request's `interventions` is wrong; `field` names it, the message says
     what to send instead (the server answers 400 with both)."""
+
+    #: The HTTP status the server answers with.
+    status = HTTPStatus.BAD_REQUEST
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")

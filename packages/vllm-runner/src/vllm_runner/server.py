@@ -96,13 +96,13 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
                                   "request n times", "n")
         try:
             plan = await state.plan(interventions)
+            plan.saves = request.interp_saves
             if any(isinstance(op, Save) for op in plan.ops):
                 lengths = await prompt_lengths(request)
                 if lengths is not None:
                     state.check_saved_bytes(plan, lengths, _max_tokens(request))
         except InterventionInputError as error:
-            return error_response(HTTPStatus.BAD_REQUEST, str(error), error.field)
-        plan.saves = request.interp_saves
+            return error_response(error.status, str(error), error.field)
         request._interp = plan
         request.cache_salt = salted(request.cache_salt, plan.digest)
     keep_token_ids = bool(request.return_token_ids)

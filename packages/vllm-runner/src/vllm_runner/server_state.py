@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
@@ -28,6 +29,13 @@ from vllm_runner.value_shapes import (
     shapes_from_saves,
 )
 from vllm_runner.vector_registry import VectorRegistry
+
+
+class OverTheBudget(InterventionInputError):
+    """A request's saves could not be kept within the server's budget for kept saves: a 507
+    (Insufficient Storage), before anything is queued."""
+
+    status = HTTPStatus.INSUFFICIENT_STORAGE
 
 
 class ServerState:
@@ -78,20 +86,34 @@ class ServerState:
 
     def check_saved_bytes(self, plan: Plan, prompt_lengths: list[int],
                           max_tokens: int | None) -> None:
-        """Refuse (`InterventionInputError`) a request whose saves could take more than the
-        operator allows per request, for its prompts as vLLM rendered them."""
+        """Refuse a request whose saves could take more than the operator allows, for its
+        prompts as vLLM rendered them: over the per-request limit a 400
+        (`InterventionInputError`), over all that the server keeps a 507 (`OverTheBudget`) where
+        the saves would be kept under an id rather than returned."""
+        bounds, generated = [], []
         for prompt_length in prompt_lengths:
             most = self.max_model_len - prompt_length
-            generated = most if max_tokens is None else min(max_tokens, most)
-            bound = saved_bytes_bound(plan.ops, plan.locations, self.shapes, prompt_length,
-                                      generated)
-            if bound > self.settings.max_saved_bytes:
-                raise InterventionInputError("interventions", (
-                    f"the saves could take {bound / 2**20:.1f} MiB (a prompt of {prompt_length} "
-                    f"tokens, up to {generated} generated); this server allows "
-                    f"{self.settings.max_saved_bytes / 2**20:g} MiB per request (its "
-                    "--interp-max-saved-mib): save fewer locations or positions, or lower "
-                    "max_tokens"))
+            generated.append(most if max_tokens is None else min(max_tokens, most))
+            bounds.append(saved_bytes_bound(plan.ops, plan.locations, self.shapes,
+                                            prompt_length, generated[-1]))
+        prompts = (f"a prompt of {prompt_lengths[0]} tokens, up to {generated[0]} generated"
+                   if len(prompt_lengths) == 1 else
+                   f"{len(prompt_lengths)} prompts of {min(prompt_lengths)}-"
+                   f"{max(prompt_lengths)} tokens, up to {max(generated)} generated each")
+        if sum(bounds) > self.settings.max_saved_bytes:
+            raise InterventionInputError("interventions", (
+                f"the saves could take {sum(bounds) / 2**20:.2f} MiB ({prompts}); this server "
+                f"allows {self.settings.max_saved_bytes / 2**20:g} MiB per request (its "
+                "--interp-max-saved-mib): save fewer locations or positions, or lower "
+                "max_tokens"))
+        kept = sum(bound for bound in bounds if plan.saves == "id" or (
+            plan.saves == "auto" and bound > self.settings.inline_bytes))
+        if kept > self.settings.saves_budget_bytes:
+            raise OverTheBudget("interp_saves", (
+                f"the saves could take {kept / 2**20:.2f} MiB ({prompts}), more than this "
+                f"server keeps for all requests ({self.settings.saves_budget_bytes / 2**20:g} "
+                "MiB, its --interp-saves-budget-mib): ask for them inline "
+                "(\"interp_saves\": \"inline\"), save less, or lower max_tokens"))
 
     async def _check(self, ops: list[Op]) -> list[list[str]]:
         unknown = sorted({p for op in ops for p in op.patterns()} - set(self._resolved))
