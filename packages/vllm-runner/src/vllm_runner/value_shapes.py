@@ -1,10 +1,11 @@
-"""Each value's shape at one token, learned from the engine once, so that the server refuses a
-tensor that could never fit the value it edits before the request is queued (issue [L]).
+"""What the server checks before a request is queued from each value's shape (issue [L]): a
+tensor that could never fit the value it edits (`check_tensors_fit`), and the most bytes a
+request's saves can take (`saved_bytes_bound`).
 
 The shapes are not computed from the model's config: the values' sizes come from the engine's
-own modules (sharded, fused, per family), so the server asks the engine itself, with one
-request of one token that saves every value that has a tokens axis (`ServerState.learn_shapes`).
-A shape says nothing about token counts: each step's own shape is still checked in the worker.
+own modules (sharded, fused, per family), so the server asks the engine itself, at start-up,
+with one request of one token that saves every value (`ServerState.learn_shapes`). A shape says
+nothing about token counts: each step's own shape is still checked in the worker.
 """
 
 from __future__ import annotations
