@@ -111,6 +111,9 @@ def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> 
         [ops.Save("layers.0.attention_probabilities"), ops.Save("logits", steps="decode"),
          ops.Add("layers.1.layer_output", torch.zeros(128))],
     ]
+    patterns = sorted({pattern for program in programs for op in program
+                       for pattern in op.patterns()})
+    (resolved, *_) = llm.collective_rpc("interp_resolve", args=(patterns,))
     for program in programs:
         (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
                                  SamplingParams(max_tokens=generated, temperature=0.0,
@@ -118,7 +121,6 @@ def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> 
                                  interventions=program, use_tqdm=False)
         assert output.error is None, output.error
         taken = sum(tensor.numel() * tensor.element_size() for tensor in output.saved.values())
-        located = [[location for pattern in op.patterns() for location in
-                    llm.collective_rpc("interp_resolve", args=(op.patterns(),))[0]["resolved"][
-                        pattern]] for op in program]
+        located = [[location for pattern in op.patterns()
+                    for location in resolved["resolved"][pattern]] for op in program]
         assert saved_bytes_bound(program, located, shapes, len(prompt), generated) == taken

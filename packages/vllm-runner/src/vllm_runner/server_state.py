@@ -68,9 +68,7 @@ class ServerState:
         async for _ in self.engine.generate({"prompt_token_ids": [0]}, params,
                                             f"interp-shapes-{plan.program_ids[0]}"):
             pass
-        finished = [finished_request(plan.program_ids[0], 1, 1)]
-        (data_out, *_) = await self.engine.collective_rpc("interp_collect", args=(finished, True))
-        collected = wire.decode(data_out).get(plan.program_ids[0], {})
+        (collected,) = await self._collect(plan, {0: 1}, {0: 1})
         if collected.get("error"):
             raise RuntimeError(f"the engine could not save its values: {collected['error']}")
         self.shapes = shapes_from_saves(layouts, collected.get("saved", {}))
@@ -150,13 +148,19 @@ class ServerState:
                       generated: dict[int, int]) -> dict[int, dict[str, Any]]:
         """Each finished engine request's `interp` (saves and error), by choice index (with
         `n=1`, a choice's index is its prompt's), collected from the worker in one call."""
+        collected = await self._collect(plan, prompt_lengths, generated)
+        return {index: self._interp(found, plan.saves) for index, found in enumerate(collected)}
+
+    async def _collect(self, plan: Plan, prompt_lengths: dict[int, int],
+                       generated: dict[int, int]) -> list[dict[str, Any]]:
+        """What each of the plan's finished engine requests saved, and its error, in prompt
+        order, from the worker in one call."""
         finished = [finished_request(program_id, prompt_lengths.get(index, 0),
                                      generated.get(index, 0))
                     for index, program_id in enumerate(plan.program_ids)]
         (data, *_) = await self.engine.collective_rpc("interp_collect", args=(finished, True))
         collected = wire.decode(data)
-        return {index: self._interp(collected.get(program_id, {}), plan.saves)
-                for index, program_id in enumerate(plan.program_ids)}
+        return [collected.get(program_id, {}) for program_id in plan.program_ids]
 
     def _interp(self, collected: dict[str, Any], mode: str) -> dict[str, Any]:
         """One choice's `interp`: its saves inline or kept under an id (by `mode`, "auto" by
