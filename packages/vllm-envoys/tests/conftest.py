@@ -61,10 +61,7 @@ class HFNames:
 
 
 GATED_ONLY = frozenset({"mlp_activation"})
-BACKEND_UNAVAILABLE = frozenset({
-    "mlp_activation", "attention_queries", "attention_keys", "attention_values",
-    "attention_head_outputs", "attention_scores", "attention_probabilities",
-})
+BACKEND_UNAVAILABLE = GATED_ONLY  # the backend does not say which module is the activation
 
 
 @dataclass(frozen=True)

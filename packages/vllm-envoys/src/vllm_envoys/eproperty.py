@@ -103,6 +103,24 @@ class EProperty:
             return self.unavailable(host, step)
         return self.unavailable
 
+    def unless(self, reason: Callable[[Node, Step | None], str | None], when: str) -> EProperty:
+        """This value, unavailable too wherever `reason` gives a reason (checked first).
+
+        For a family whose hosts serve a standard value except on some layers (e.g. latent
+        attention); `when` names where it is served, for the docs' table.
+        """
+        own = self.unavailable
+
+        def either(host: Node, step: Step | None) -> str | None:
+            found = reason(host, step)
+            if found is not None:
+                return found
+            return own(host, step) if callable(own) else own
+
+        either.__qualname__ = f"{getattr(reason, '__qualname__', 'reason')} or {self.name}'s own"
+        return EProperty(self.site, self.codec, self.layout, self.description, self.module,
+                         unavailable=either, when=", ".join(filter(None, (self.when, when))))
+
     def __repr__(self) -> str:
         return f"({self.name}) -> [{' '.join(self.layout)}]: {self.description}"
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from vllm_envoys.backend_attention import route_attention_through_hooks
 from vllm_envoys.eproperty import Step, Value
 from vllm_envoys.errors import UnknownValue
 from vllm_envoys.families import lookup
@@ -77,7 +78,14 @@ def backend_of(model: nn.Module) -> str:
 
 def standardize(model: nn.Module, hf_config: Any) -> Standardized:
     """The standard tree over `model` (a vLLM model), chosen by `hf_config.model_type` and by
-    whether vLLM runs its own model code or its Transformers backend."""
+    whether vLLM runs its own model code or its Transformers backend.
+
+    For a model on the Transformers backend this routes the backend's attention through its
+    vLLM layers' hooks, once per process (`route_attention_through_hooks`), so its attention
+    values can be served."""
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else (
         hf_config)
-    return Standardized(model, lookup(text_config.model_type, backend_of(model)))
+    backend = backend_of(model)
+    if backend == "transformers":
+        route_attention_through_hooks()
+    return Standardized(model, lookup(text_config.model_type, backend))

@@ -2,26 +2,28 @@
 or architectures vLLM has no code for), checked against vLLM 0.32.
 
 There vLLM runs transformers' own modules with a batch axis of 1 (`[1, tokens, ...]`) and the
-residual stream is whole (no `(hidden, residual)` halves), but swaps in its attention: the
-backend's attention function calls the vLLM `Attention` layer's `forward` directly, so no hook
-can see queries, keys, values or head outputs there. The generic family serves the residual
-stream, attention's and the MLP's inputs and contributions, and the MLP neurons.
+residual stream is whole (no `(hidden, residual)` halves), but swaps in its attention: each
+transformers attention module gets a vLLM `Attention` layer as its `attn` child, and the
+attention function the backend registers with transformers calls that layer's `forward`
+directly. `route_attention_through_hooks` makes that call go through the layer's `__call__`, so
+the layer's hooks fire and queries, keys, values, head outputs and the pattern are served as on
+vLLM's own model code (the layer sees the same flat `[tokens, heads * head_size]` tensors).
 """
 
 from __future__ import annotations
 
 from vllm_envoys import layouts
+from vllm_envoys.backend_attention import VLLM_ATTENTION_LAYER, is_latent
 from vllm_envoys.codecs import Rows
-from vllm_envoys.eproperty import EProperty, unavailable
+from vllm_envoys.eproperty import EProperty, Step, unavailable
 from vllm_envoys.family import Family
 from vllm_envoys.hosts import Attention, GatedMlp, Layer, Model
-from vllm_envoys.node import module_from
+from vllm_envoys.node import Node, module_from
 from vllm_envoys.sites import Arguments, FirstOutput
 
-BACKEND_ATTENTION = (
-    "vLLM's Transformers backend calls its attention layer's forward directly from transformers' "
-    "attention function, so no hook sees the queries, keys, values or head outputs; serve the "
-    "model with vLLM's own model code (a family module) to read them"
+LATENT_ON_BACKEND = (
+    "this layer runs multi-head latent attention (MLA) on vLLM's Transformers backend: its vLLM "
+    "layer sees compressed keys and values and queries in latent form, not the standard ones"
 )
 UNKNOWN_ACTIVATION = (
     "on vLLM's Transformers backend the MLP's activation is not identified; read mlp_neurons, "
@@ -30,17 +32,27 @@ UNKNOWN_ACTIVATION = (
 BATCHED = Rows(batched=True)
 
 
+def _latent(host: Node, step: Step | None) -> str | None:
+    return LATENT_ON_BACKEND if is_latent(host.submodule(VLLM_ATTENTION_LAYER)) else None
+
+
+def _standard(eprop: EProperty) -> EProperty:
+    return eprop.unless(_latent, when="not MLA")
+
+
 class BackendAttention(Attention):
-    """transformers' attention module: inputs and contribution only."""
+    """transformers' attention module with vLLM's `attn` layer inside, called through its hooks
+    (`route_attention_through_hooks`): inputs and contribution at transformers' module, the
+    interior at vLLM's layer, as on vLLM's own model code."""
 
     attention_input = EProperty(Arguments(("hidden_states", 0)), BATCHED, layouts.RESIDUAL,
                                 "the (normed) stream entering attention")
-    attention_queries = unavailable(BACKEND_ATTENTION, layouts.QUERIES)
-    attention_keys = unavailable(BACKEND_ATTENTION, layouts.KEYS)
-    attention_values = unavailable(BACKEND_ATTENTION, layouts.VALUES)
-    attention_head_outputs = unavailable(BACKEND_ATTENTION, layouts.HEAD_OUTPUTS)
-    attention_scores = unavailable(BACKEND_ATTENTION, layouts.PATTERN)
-    attention_probabilities = unavailable(BACKEND_ATTENTION, layouts.PATTERN)
+    attention_queries = _standard(Attention.attention_queries)
+    attention_keys = _standard(Attention.attention_keys)
+    attention_values = _standard(Attention.attention_values)
+    attention_head_outputs = _standard(Attention.attention_head_outputs)
+    attention_scores = _standard(Attention.attention_scores)
+    attention_probabilities = _standard(Attention.attention_probabilities)
     attention_output = EProperty(FirstOutput(), BATCHED, layouts.RESIDUAL,
                                  "attention's contribution to the stream")
 
