@@ -13,16 +13,26 @@ from dataclasses import dataclass
 import pytest
 import torch
 from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Exaone4Config,
+    Exaone4ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -31,6 +41,8 @@ from transformers import (
     Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 PROMPT = [5, 17, 99, 3, 42, 250, 7, 61, 8, 120, 33]
@@ -54,10 +66,11 @@ class HFNames:
     attention: str = "self_attn"
     mlp: str = "mlp"
     down: str = "down_proj"
-    mid_norm: str = "post_attention_layernorm"
+    mid_norm: str | None = "post_attention_layernorm"  # None: a parallel block (no mid stream)
     act: str | None = None  # plain MLPs: the activation module
     attention_out: str | None = None  # sandwich norms: the norm after attention
     mlp_out: str | None = None  # sandwich norms: the norm after the MLP
+    factor: str | None = None  # the block's attribute scaling sublayer outputs (Granite)
 
 
 GATED_ONLY = frozenset({"mlp_activation"})
@@ -100,6 +113,38 @@ def gemma2_config() -> Gemma2Config:
                         hidden_activation="gelu_pytorch_tanh")
 
 
+def gemma3_config() -> Gemma3TextConfig:
+    # Local (4-token window) and global layers, per-head q/k norms, tied unembedding.
+    return Gemma3TextConfig(**{**SHAPE, "tie_word_embeddings": True}, sliding_window=4,
+                            query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh",
+                            layer_types=["sliding_attention", "full_attention",
+                                         "sliding_attention"])
+
+
+def granite_config() -> GraniteConfig:
+    # Every multiplier away from 1, so a contribution read or written unscaled would show.
+    return GraniteConfig(**SHAPE, residual_multiplier=0.5, embedding_multiplier=3.0,
+                         attention_multiplier=0.1, logits_scaling=2.0)
+
+
+def cohere_config() -> CohereConfig:
+    shape = {key: value for key, value in SHAPE.items() if key != "rms_norm_eps"}
+    return CohereConfig(**{**shape, "tie_word_embeddings": True}, layer_norm_eps=1e-5,
+                        logit_scale=0.5, pad_token_id=0)
+
+
+def exaone4_config() -> Exaone4Config:
+    return Exaone4Config(**SHAPE, sliding_window=4,
+                         layer_types=["sliding_attention", "sliding_attention",
+                                      "full_attention"])
+
+
+POST_NORMS = HFNames(mid_norm="mlp", attention_out="post_attention_layernorm",
+                     mlp_out="post_feedforward_layernorm")
+SANDWICH_NORMS = HFNames(mid_norm="pre_feedforward_layernorm",
+                         attention_out="post_attention_layernorm",
+                         mlp_out="post_feedforward_layernorm")
+
 CASES = [
     FamilyCase("llama", llama_shaped(LlamaConfig), LlamaForCausalLM),
     FamilyCase("qwen2", llama_shaped(Qwen2Config), Qwen2ForCausalLM),
@@ -108,10 +153,13 @@ CASES = [
     FamilyCase("gpt2", gpt2_config, GPT2LMHeadModel,
                HFNames(embed="transformer.wte", layers="transformer.h", attention="attn",
                        down="c_proj", mid_norm="ln_2", act="act"), unavailable=frozenset()),
-    FamilyCase("gemma2", gemma2_config, Gemma2ForCausalLM,
-               HFNames(mid_norm="pre_feedforward_layernorm",
-                       attention_out="post_attention_layernorm",
-                       mlp_out="post_feedforward_layernorm")),
+    FamilyCase("gemma2", gemma2_config, Gemma2ForCausalLM, SANDWICH_NORMS),
+    FamilyCase("gemma3_text", gemma3_config, Gemma3ForCausalLM, SANDWICH_NORMS),
+    FamilyCase("granite", granite_config, GraniteForCausalLM,
+               HFNames(factor="residual_multiplier")),
+    FamilyCase("cohere", cohere_config, CohereForCausalLM, HFNames(mid_norm=None),
+               unavailable=GATED_ONLY | {"layer_mid"}),
+    FamilyCase("exaone4", exaone4_config, Exaone4ForCausalLM, POST_NORMS),
     FamilyCase("mixtral", llama_shaped(MixtralConfig, num_local_experts=4,
                                        num_experts_per_tok=2), MixtralForCausalLM,
                moe_layers=frozenset({0, 1, 2})),
@@ -121,10 +169,16 @@ CASES = [
                                          shared_expert_intermediate_size=128,
                                          norm_topk_prob=False, mlp_only_layers=[0]),
                Qwen2MoeForCausalLM, moe_layers=frozenset({1, 2})),
+    FamilyCase("qwen3_moe", llama_shaped(Qwen3MoeConfig, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=128, norm_topk_prob=True,
+                                         mlp_only_layers=[0]),
+               Qwen3MoeForCausalLM, moe_layers=frozenset({1, 2})),
+    FamilyCase("olmoe", llama_shaped(OlmoeConfig, num_experts=4, num_experts_per_tok=2,
+                                     pad_token_id=0),
+               OlmoeForCausalLM, moe_layers=frozenset({0, 1, 2})),
     # vLLM 0.32 runs OLMo 2 through its Transformers backend.
     FamilyCase("olmo2", llama_shaped(Olmo2Config, pad_token_id=0), Olmo2ForCausalLM,
-               HFNames(mid_norm="mlp", attention_out="post_attention_layernorm",
-                       mlp_out="post_feedforward_layernorm"), unavailable=BACKEND_UNAVAILABLE),
+               POST_NORMS, unavailable=BACKEND_UNAVAILABLE),
     # Llama forced onto the Transformers backend: the generic family, with no family module.
     FamilyCase("llama-on-transformers-backend", llama_shaped(LlamaConfig), LlamaForCausalLM,
                unavailable=BACKEND_UNAVAILABLE, engine=(("model_impl", "transformers"),),

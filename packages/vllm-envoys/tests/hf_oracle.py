@@ -109,7 +109,6 @@ class HFOracle:
             points += [
                 (f"{prefix}.layer_input", layer, "input:hidden_states"),
                 (f"{prefix}.layer_output", layer, "output"),
-                (f"{prefix}.layer_mid", layer.get_submodule(names.mid_norm), "input:0"),
                 (f"{prefix}.self_attn.attention_input", attention, "input:hidden_states"),
                 (f"{prefix}.self_attn.attention_output",
                  layer.get_submodule(names.attention_out or names.attention), "output"),
@@ -117,6 +116,9 @@ class HFOracle:
                 (f"{prefix}.mlp.mlp_output", layer.get_submodule(names.mlp_out or names.mlp),
                  "output"),
             ]
+            if names.mid_norm is not None:  # parallel blocks have no stream between sublayers
+                points.append((f"{prefix}.layer_mid", layer.get_submodule(names.mid_norm),
+                               "input:0"))
             if hasattr(mlp, names.down):
                 points.append((f"{prefix}.mlp.mlp_neurons", mlp.get_submodule(names.down),
                                "input:0"))
@@ -127,6 +129,22 @@ class HFOracle:
                 points.append((f"{prefix}.mlp.mlp_activation", mlp.get_submodule(names.act),
                                "output"))
         return points
+
+    def _read_scale(self, location: str, module: torch.nn.Module) -> Any:
+        """The factor between a module's output and the standard value read there, or `None`.
+
+        The standard token_embeddings come before any embedding scale; transformers applies
+        Gemma's inside its embedding module, so it is undone. A contribution is what reaches the
+        stream: Granite scales sublayer outputs by `residual_multiplier` in the block.
+        """
+        if location == "token_embeddings":
+            scale = getattr(module, "embed_scale", None)
+            return None if scale is None else 1 / scale
+        if self.names.factor and location.endswith(("attention_output", "mlp_output")):
+            layer = int(location.split(".")[1])
+            block = self.model.get_submodule(self.names.layers)[layer]
+            return float(getattr(block, self.names.factor))
+        return None
 
     @staticmethod
     def _through_attention_output(edits: dict[str, Edit]) -> dict[str, Edit]:
@@ -162,18 +180,15 @@ class HFOracle:
                 if location in edits and location.endswith(".router_logits"):
                     handles += _edit_router_logits(module, edits[location])
             elif kind == "output":
-                # The standard token_embeddings come before any embedding scale; transformers
-                # applies Gemma's inside its embedding module, so undo it for reads and edits.
-                embeds = location == "token_embeddings"
-                scale = getattr(module, "embed_scale", None) if embeds else None
+                scale = self._read_scale(location, module)
 
                 def hook(module, args, output, location=location, scale=scale):
                     tensor = _first(output)
                     if scale is not None:
-                        tensor = tensor / scale.to(tensor.dtype)
+                        tensor = tensor * scale
                     if location in edits:
                         tensor = edits[location](tensor)
-                        edited = tensor if scale is None else tensor * scale.to(tensor.dtype)
+                        edited = tensor if scale is None else tensor / scale
                         output = (edited, *output[1:]) if isinstance(output, tuple) else edited
                     _RUN["values"][location] = tensor.detach().clone()
                     return output

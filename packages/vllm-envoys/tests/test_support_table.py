@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_envoys.support_table import replace_in, support_table
+from vllm_envoys.support_table import families, replace_in, support_table
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "vllm-envoys.md"
 
@@ -18,8 +18,12 @@ def test_docs_table_matches_the_code() -> None:
 
 def test_table_reflects_declared_reasons() -> None:
     rows = {line.split("|")[1].strip(" `"): line for line in support_table().splitlines()[2:]}
-    assert rows["mlp_activation"].count("✗") == 9  # every family but GPT-2's plain MLP
+    columns = len(families())
+    assert rows["mlp_activation"].count("✗") == columns - 1  # all but GPT-2's plain MLP
     # Every family serves queries; on the Transformers backend, wherever attention is not MLA.
     assert "✗" not in rows["attention_queries"]
     assert rows["attention_queries"].count("✓ (not MLA)") == 2  # olmo2, the generic family
-    assert rows["router_logits"].count("✓") == 2  # mixtral, qwen2_moe
+    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+    assert rows["router_logits"].count("✓") == len(moe)
+    assert {name for name, family in families() if family.mixture_of_experts} == moe
+    assert rows["layer_mid"].count("✗") == 1  # Cohere's parallel block

@@ -9,7 +9,7 @@ the runner's job (vllm-runner).
 
 from importlib.metadata import PackageNotFoundError, version
 
-from vllm_envoys.codecs import Codec, Heads, Rows, Stream
+from vllm_envoys.codecs import Codec, Heads, Rows, Scaled, Stream
 from vllm_envoys.eproperty import EProperty, Step, Value, unavailable
 from vllm_envoys.errors import (
     EnvoyError,
@@ -42,7 +42,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 __all__ = [
     "Arguments", "Attention", "Codec", "EProperty", "EnvoyError", "Family", "FusedLayer",
     "GatedMlp", "Heads", "HookArgs", "Host", "Layer", "Model", "Moe", "Output", "PlainMlp",
-    "ReadOnly", "Rows", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable",
+    "ReadOnly", "Rows", "Scaled", "Standardized", "Step", "Stream", "StreamLayer", "Unavailable",
     "UnknownFamily", "UnknownValue", "Value", "ValueShapeError", "__version__", "standardize",
     "unavailable",
 ]

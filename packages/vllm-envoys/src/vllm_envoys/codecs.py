@@ -17,7 +17,8 @@ from vllm_envoys.node import Node
 
 
 class Codec:
-    """Base class: `decode(piece, module, host)` reads, `encode(piece, module, value)` writes back.
+    """Base class: `decode(piece, module, host)` reads, `encode(piece, module, value, host)` writes
+    back.
 
     `module` is the hooked module; `host` the standard node the value belongs to, for codecs
     that need a sibling module (expert routing reads the router settings of the experts).
@@ -33,7 +34,8 @@ class Codec:
     def decode(self, piece: Any, module: nn.Module, host: Node | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def encode(self, piece: Any, module: nn.Module, value: torch.Tensor) -> Any:
+    def encode(self, piece: Any, module: nn.Module, value: torch.Tensor,
+               host: Node | None = None) -> Any:
         raise NotImplementedError
 
     def shape(self, piece: Any, module: nn.Module, host: Node | None = None) -> tuple[int, ...]:
@@ -67,7 +69,8 @@ class Rows(Codec):
               ) -> torch.Tensor:
         return piece.clone() if self.batched else piece.clone().unsqueeze(0)
 
-    def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor,
+               host: Node | None = None) -> torch.Tensor:
         return (value if self.batched else value[0]).to(piece.dtype)
 
     def shape(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
@@ -79,6 +82,36 @@ class Rows(Codec):
         if not self.writable:
             return None
         return piece if self.batched else piece.unsqueeze(0)
+
+
+class Scaled(Rows):
+    """Rows served multiplied by a factor the host gives, written back divided by it.
+
+    For blocks that scale a sublayer's output before adding it to the stream (Granite's
+    `residual_multiplier`): the standard contribution is what reaches the stream, while the
+    module returns it unscaled. `factor(host)` is read at each use, from the model's modules.
+    """
+
+    def __init__(self, factor: Callable[[Node], float]) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def _factor(self, host: Node | None) -> float:
+        if host is None:
+            raise TypeError("a scaled value is read with its host's factor: pass the host")
+        return self.factor(host)
+
+    def decode(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+              ) -> torch.Tensor:
+        return super().decode(piece, module, host) * self._factor(host)
+
+    def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor,
+               host: Node | None = None) -> torch.Tensor:
+        return super().encode(piece, module, value / self._factor(host), host)
+
+    def view(self, piece: torch.Tensor, module: nn.Module, host: Node | None = None
+            ) -> torch.Tensor | None:
+        return None  # a product is a copy
 
 
 class Stream(Codec):
@@ -103,7 +136,8 @@ class Stream(Codec):
         stream = hidden.clone() if residual is None else hidden + residual
         return stream.unsqueeze(0)
 
-    def encode(self, piece: Any, module: nn.Module, value: torch.Tensor) -> Any:
+    def encode(self, piece: Any, module: nn.Module, value: torch.Tensor,
+               host: Node | None = None) -> Any:
         hidden, residual = self._halves(piece)
         new_hidden = value[0].to(hidden.dtype)
         if isinstance(piece, torch.Tensor):
@@ -144,7 +178,8 @@ class Heads(Codec):
         heads = heads.transpose(0, 1) if self.heads_first else heads
         return heads.unsqueeze(0).clone(memory_format=torch.contiguous_format)
 
-    def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    def encode(self, piece: torch.Tensor, module: nn.Module, value: torch.Tensor,
+               host: Node | None = None) -> torch.Tensor:
         heads = value[0].transpose(0, 1) if self.heads_first else value[0]
         return heads.reshape(piece.shape).to(piece.dtype)
 

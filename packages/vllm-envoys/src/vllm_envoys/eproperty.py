@@ -201,7 +201,7 @@ class Value:
                 f"{self.location}: expected a tensor of shape {expected} (as read), got {got}; "
                 "write into the rows you mean instead"
             )
-        return site.put(raw, module, codec.encode(piece, module, value))
+        return site.put(raw, module, codec.encode(piece, module, value, self.host))
 
     def __repr__(self) -> str:
         return f"Value({self.location} [{' '.join(self.eproperty.layout)}])"
