@@ -21,6 +21,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GraniteConfig,
@@ -71,6 +73,7 @@ class HFNames:
     attention_out: str | None = None  # sandwich norms: the norm after attention
     mlp_out: str | None = None  # sandwich norms: the norm after the MLP
     factor: str | None = None  # the block's attribute scaling sublayer outputs (Granite)
+    router: str = "gate"  # MoE MLPs: the router module
 
 
 GATED_ONLY = frozenset({"mlp_activation"})
@@ -139,6 +142,13 @@ def exaone4_config() -> Exaone4Config:
                                       "full_attention"])
 
 
+def gpt_oss_config() -> GptOssConfig:
+    return GptOssConfig(**{key: value for key, value in SHAPE.items() if key != "rms_norm_eps"},
+                        num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention",
+                                     "sliding_attention"])
+
+
 POST_NORMS = HFNames(mid_norm="mlp", attention_out="post_attention_layernorm",
                      mlp_out="post_feedforward_layernorm")
 SANDWICH_NORMS = HFNames(mid_norm="pre_feedforward_layernorm",
@@ -173,6 +183,9 @@ CASES = [
                                          moe_intermediate_size=128, norm_topk_prob=True,
                                          mlp_only_layers=[0]),
                Qwen3MoeForCausalLM, moe_layers=frozenset({1, 2})),
+    # Sinks in every attention layer, every MLP routed (the router returns logits alone).
+    FamilyCase("gpt_oss", gpt_oss_config, GptOssForCausalLM, HFNames(router="router"),
+               moe_layers=frozenset({0, 1, 2})),
     FamilyCase("olmoe", llama_shaped(OlmoeConfig, num_experts=4, num_experts_per_tok=2,
                                      pad_token_id=0),
                OlmoeForCausalLM, moe_layers=frozenset({0, 1, 2})),
@@ -217,6 +230,9 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for parameter in model.parameters():
             if parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08)
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):  # GPT-OSS: sinks large enough to take visible mass
+                parameter.normal_(0.0, 1.0)
     path = tmp_path_factory.mktemp(case.name)
     model.save_pretrained(path, safe_serialization=True)
     # transformers first: vLLM's Transformers backend patches transformers' classes in place.

@@ -123,7 +123,8 @@ class HFOracle:
                 points.append((f"{prefix}.mlp.mlp_neurons", mlp.get_submodule(names.down),
                                "input:0"))
             if hasattr(mlp, "experts"):  # transformers' routers return (logits, weights, indices)
-                points += [(f"{prefix}.mlp.{name}", mlp.gate, f"output:{i}") for i, name in
+                router = mlp.get_submodule(names.router)
+                points += [(f"{prefix}.mlp.{name}", router, f"output:{i}") for i, name in
                            enumerate(("router_logits", "expert_weights", "expert_indices"))]
             if names.act is not None:
                 points.append((f"{prefix}.mlp.mlp_activation", mlp.get_submodule(names.act),

@@ -79,7 +79,9 @@ def test_pattern_equals_transformers_on_the_prompt(harness, both_runs) -> None:
         reference = expected[location][:, :, :tokens, :tokens]
         assert_matches(probabilities, reference, location)
         (scores,) = steps[f"layers.{i}.self_attn.attention_scores"]
-        assert torch.allclose(scores.softmax(-1), probabilities, atol=1e-6)
+        # A softmax of the scores, up to the share attention sinks (GPT-OSS) take.
+        renormalised = probabilities / probabilities.sum(-1, keepdim=True)
+        assert torch.allclose(scores.softmax(-1), renormalised, atol=1e-6)
         assert torch.isinf(scores[0, :, 0, 1:]).all()  # causal: the first token sees itself only
 
 

@@ -23,7 +23,7 @@ def test_table_reflects_declared_reasons() -> None:
     # Every family serves queries; on the Transformers backend, wherever attention is not MLA.
     assert "✗" not in rows["attention_queries"]
     assert rows["attention_queries"].count("✓ (not MLA)") == 2  # olmo2, the generic family
-    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"}
     assert rows["router_logits"].count("✓") == len(moe)
     assert {name for name, family in families() if family.mixture_of_experts} == moe
     assert rows["layer_mid"].count("✗") == 1  # Cohere's parallel block

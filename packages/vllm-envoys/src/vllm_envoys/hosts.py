@@ -13,7 +13,7 @@ from vllm_envoys.eproperty import EProperty, Step, Value, unavailable
 from vllm_envoys.node import Node, module_from, module_int
 from vllm_envoys.pattern import Pattern
 from vllm_envoys.routing import UNSUPPORTED_ROUTER, Routing, router_of, unsupported
-from vllm_envoys.sites import Arguments, Output
+from vllm_envoys.sites import Arguments, FirstOutput, Output
 
 WHOLE_PROMPT_ONLY = (
     "the pattern is recomputed from the queries and keys of one step, so it needs the whole "
@@ -148,6 +148,9 @@ def _routing_support(host: Node, step: Step | None) -> str | None:
 class Moe(Host):
     """A mixture-of-experts MLP in vLLM's shape: `gate` (router logits) → fused `experts`.
 
+    The gate returns `(logits, bias)` in most families and the logits alone in some (GPT-OSS);
+    the router values are its first tensor either way.
+
     `mlp_output` is the whole block's output (routed experts, plus any shared expert). The
     expert choice is recomputed from the router logits (see `vllm_envoys.routing`).
     """
@@ -160,15 +163,15 @@ class Moe(Host):
     mlp_neurons = unavailable(ROUTED, layouts.NEURONS)
     mlp_activation = unavailable(ROUTED, layouts.NEURONS)
     mlp_output = EProperty(Output(), Rows(), layouts.RESIDUAL, "the MLP's contribution")
-    router_logits = EProperty(Output(0), Rows(), layouts.ROUTER_LOGITS,
+    router_logits = EProperty(FirstOutput(), Rows(), layouts.ROUTER_LOGITS,
                               "the router's logits over experts (editable: changes the routing)",
                               module=module_from("gate_name"))
     expert_weights = EProperty(
-        Output(0), Routing("experts", weights=True), layouts.EXPERT_WEIGHTS,
+        FirstOutput(), Routing("experts", weights=True), layouts.EXPERT_WEIGHTS,
         "each token's chosen experts' weights, recomputed from router_logits (read-only)",
         module=module_from("gate_name"), unavailable=_routing_support, when="top-k router")
     expert_indices = EProperty(
-        Output(0), Routing("experts", weights=False), layouts.EXPERT_INDICES,
+        FirstOutput(), Routing("experts", weights=False), layouts.EXPERT_INDICES,
         "each token's chosen experts, recomputed from router_logits (read-only)",
         module=module_from("gate_name"), unavailable=_routing_support, when="top-k router")
 

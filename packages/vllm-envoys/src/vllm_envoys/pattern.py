@@ -1,7 +1,7 @@
 """Attention scores and probabilities, recomputed from the queries and keys an attention layer
 was given. vLLM's kernels never materialise the pattern, so this is the only way to read it; the
-recomputation uses the layer's own scale, logit soft-cap, sliding window and grouped-query
-layout, and is read-only (an edited pattern could not reach the kernel).
+recomputation uses the layer's own scale, logit soft-cap, sliding window, attention sinks and
+grouped-query layout, and is read-only (an edited pattern could not reach the kernel).
 """
 
 from __future__ import annotations
@@ -26,6 +26,24 @@ def attention_softcap(attention: nn.Module) -> float | None:
     """The attention logit soft-cap (Gemma 2), or `None` when the layer has none."""
     cap = getattr(getattr(attention, "impl", None), "logits_soft_cap", None)
     return float(cap) if cap else None
+
+
+def attention_sinks(attention: nn.Module) -> torch.Tensor | None:
+    """Per-head sink logits (GPT-OSS), or `None`: a sink is one more key every query sees, with
+    a learned logit and no value, so it takes probability mass without appearing in the
+    pattern."""
+    sinks = getattr(getattr(attention, "impl", None), "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
+def probabilities_from(scores: torch.Tensor, attention: nn.Module) -> torch.Tensor:
+    """The softmax of `[1, heads, query, key]` scores in float32, the sinks' share left out."""
+    scores = scores.float()
+    sinks = attention_sinks(attention)
+    if sinks is None:
+        return scores.softmax(-1)
+    column = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
 
 
 def scores_from(query: torch.Tensor, key: torch.Tensor, attention: nn.Module) -> torch.Tensor:
@@ -64,7 +82,9 @@ class Pattern(Codec):
     def decode(self, piece: Any, module: nn.Module, host: Node | None = None) -> torch.Tensor:
         query, key = piece
         scores = scores_from(query, key, module)
-        return scores.float().softmax(-1).to(scores.dtype) if self.probabilities else scores
+        if not self.probabilities:
+            return scores
+        return probabilities_from(scores, module).to(scores.dtype)
 
     def shape(self, piece: Any, module: nn.Module, host: Node | None = None) -> tuple[int, ...]:
         query, _ = piece
