@@ -20,10 +20,11 @@ def test_table_reflects_declared_reasons() -> None:
     rows = {line.split("|")[1].strip(" `"): line for line in support_table().splitlines()[2:]}
     columns = len(families())
     assert rows["mlp_activation"].count("✗") == columns - 1  # all but GPT-2's plain MLP
-    # Every family serves queries; on the Transformers backend, wherever attention is not MLA.
-    assert "✗" not in rows["attention_queries"]
+    # Every family but DeepSeek's latent attention serves queries; on the Transformers backend,
+    # wherever attention is not MLA.
+    assert rows["attention_queries"].count("✗") == 1
     assert rows["attention_queries"].count("✓ (not MLA)") == 2  # olmo2, the generic family
-    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"}
+    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2"}
     assert rows["router_logits"].count("✓") == len(moe)
     assert {name for name, family in families() if family.mixture_of_experts} == moe
     assert rows["layer_mid"].count("✗") == 1  # Cohere's parallel block
