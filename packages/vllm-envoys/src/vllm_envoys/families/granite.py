@@ -18,7 +18,7 @@ from vllm_envoys.sites import Output
 
 def residual_multiplier(host: Node) -> float:
     """The factor the block (the host's parent) applies to its sublayers' outputs."""
-    return float(getattr(host.submodule("../"), "residual_multiplier"))
+    return float(host.submodule("../").residual_multiplier)
 
 
 class GraniteAttention(Attention):
@@ -36,7 +36,8 @@ class GraniteMlp(GatedMlp):
 
 
 class GraniteLayer(StreamLayer):
-    """`input_layernorm` → attention → scaled add → `post_attention_layernorm` → MLP → scaled add."""
+    """`input_layernorm` → attention → scaled add → `post_attention_layernorm` → MLP → scaled
+    add."""
 
     Attention = GraniteAttention
     Mlp = GraniteMlp
