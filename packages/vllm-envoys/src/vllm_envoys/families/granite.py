@@ -18,7 +18,10 @@ from vllm_envoys.sites import Output
 
 def residual_multiplier(host: Node) -> float:
     """The factor the block (the host's parent) applies to its sublayers' outputs."""
-    return float(host.submodule("../").residual_multiplier)
+    factor = host.submodule("../").residual_multiplier
+    if not isinstance(factor, (int, float)):  # nn.Module types attributes as tensors or modules
+        raise TypeError(f"{host.location}: the block's residual_multiplier is {factor!r}")
+    return float(factor)
 
 
 class GraniteAttention(Attention):
