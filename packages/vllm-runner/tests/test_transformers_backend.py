@@ -1,0 +1,76 @@
+"""The runtime on vLLM's Transformers backend (`model_impl="transformers"`): requests sharing
+steps each get their own attention values — queries, keys, values, head outputs, the pattern —
+equal to the same requests on vLLM's own Llama code and to transformers' pattern, and an edit of
+the keys reaches the KV cache (the next tokens change) for its request only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from conftest import PROMPTS, greedy, user_environment
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
+
+GENERATED = 3
+VALUES = ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs")
+SAVES = [ops.Save(f"layers.*.self_attn.{name}") for name in VALUES] + [
+    ops.Save("layers.0.self_attn.attention_probabilities"), ops.Save("layers.*.layer_output")]
+
+SCRIPT = """
+import json, sys, torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import LLM, ops
+
+names = ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs")
+saves = [ops.Save(f"layers.*.self_attn.{name}") for name in names] + [
+    ops.Save("layers.0.self_attn.attention_probabilities"), ops.Save("layers.*.layer_output")]
+llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
+          max_model_len=128, max_num_seqs=8, seed=0, model_impl="transformers")
+prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
+params = SamplingParams(max_tokens=3, temperature=0.0)
+# Layer 1's keys sharpened (a shift common to every key would cancel in the softmax), for the
+# first prompt only; all three share each step.
+push = [ops.Scale("layers.1.self_attn.attention_keys", 8.0)]
+runs = {"saved": llm.generate(prompts, params, interventions=saves, use_tqdm=False),
+        "pushed": llm.generate(prompts, params, interventions=[push, [], []], use_tqdm=False)}
+torch.save({name: [{"tokens": list(out.outputs[0].token_ids), "saved": out.saved,
+                    "error": out.error} for out in outputs] for name, outputs in runs.items()},
+           sys.argv[3])
+"""
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
+    error = (actual - expected).abs().max() / expected.abs().max()
+    assert error <= 1e-4, f"{what}: relative error {error:.2e}"
+
+
+def test_attention_values_on_the_backend_equal_vllms_own_code(llm, model_dir, reference,
+                                                               tmp_path) -> None:
+    path = tmp_path / "backend.pt"
+    subprocess.run([sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), str(path)],
+                   check=True, env=user_environment(), timeout=600)
+    runs = torch.load(path)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0)
+    native = llm.generate(prompts, params, interventions=SAVES, use_tqdm=False)
+    for prompt, backend, own in zip(PROMPTS, runs["saved"], native, strict=True):
+        assert backend["error"] is None, backend["error"]
+        assert backend["tokens"] == greedy(reference, prompt, GENERATED)
+        for location, value in own.saved.items():
+            if "attention_probabilities" in location:
+                continue  # vLLM's own engine here splits prompts over steps: no pattern
+            close(backend["saved"][location], value, location)
+        with torch.no_grad():
+            pattern = reference(torch.tensor([prompt]), output_attentions=True).attentions[0]
+        (probabilities,) = [value for location, value in backend["saved"].items()
+                            if location.endswith("attention_probabilities")]
+        close(probabilities, pattern, "layers.0.self_attn.attention_probabilities")
+    pushed = runs["pushed"]
+    assert pushed[0]["tokens"] != runs["saved"][0]["tokens"]  # the edited keys were attended to
+    assert [run["tokens"] for run in pushed[1:]] == [run["tokens"] for run in runs["saved"][1:]]
