@@ -90,10 +90,10 @@ def test_wrong_shape_write_is_refused_and_a_read_written_back_is_unchanged(fused
     assert torch.equal(queries.write(raw, value).args[0], raw.args[0])
 
 
-def test_pattern_is_whole_prompt_only_and_read_only(fused: FusedLayer) -> None:
+def test_pattern_needs_every_earlier_key_and_is_read_only(fused: FusedLayer) -> None:
     raw = qkv(3)
     pattern = fused.self_attn.attention_probabilities
-    with pytest.raises(Unavailable, match="decode steps"):
+    with pytest.raises(Unavailable, match="keys of every earlier position"):
         pattern.read(raw, Step(first_position=5, tokens=1, prompt_length=5))
     probabilities = pattern.read(raw, Step(first_position=0, tokens=3, prompt_length=3))
     assert probabilities.shape == (1, 4, 3, 3)
@@ -164,3 +164,22 @@ def test_rowwise_codecs_read_a_slab_as_the_concatenation_of_its_row_runs() -> No
             pieces = [run[index] if isinstance(run, tuple) else run for run in runs]
             rows_axis = list(leaf.shape).index(8)  # the raw piece's own tokens axis
             assert torch.equal(leaf, torch.cat(pieces, dim=rows_axis)), type(codec).__name__
+
+
+def test_later_queries_against_every_key_are_the_rows_of_the_whole_pattern(
+        fused: FusedLayer) -> None:
+    """A chunk or a decode step (its queries, with the keys of every position up to its last)
+    gives the rows of the pattern of the whole sequence, scores and probabilities (to float
+    rounding: the products are taken in other shapes)."""
+    whole = qkv(7)
+    query, key = whole.args[0], whole.args[1]
+    for name in ("attention_scores", "attention_probabilities"):
+        pattern = getattr(fused.self_attn, name)
+        full = pattern.read(whole, Step(0, 7, 7))
+        for first, tokens in ((4, 3), (6, 1), (2, 2)):
+            later = HookArgs((query[first:first + tokens], key[:first + tokens],
+                              whole.args[2][first:first + tokens]), {})
+            rows = pattern.read(later, Step(first, tokens, 7, earlier_keys=True))
+            assert rows.shape == (1, 4, tokens, first + tokens)
+            assert torch.allclose(rows, full[:, :, first:first + tokens, :first + tokens],
+                                  atol=1e-6)

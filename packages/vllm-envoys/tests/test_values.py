@@ -64,7 +64,7 @@ def test_support_names_every_reason_without_running_anything(harness, family) ->
     if "attention_probabilities" in family.case.unavailable:  # on every step, for one reason
         assert pattern == support["layers.0.self_attn.attention_probabilities"]
     else:
-        assert "whole prompt" in pattern
+        assert "keys of every earlier position" in pattern
 
 
 def test_unknown_location_suggests_close_names(harness) -> None:

@@ -46,7 +46,8 @@ def transformers_values(model, tokens: list[int]) -> dict[str, torch.Tensor]:
 def run(llm):
     programs = [
         [ops.Save("layers.*.layer_output"), ops.Save("layers.0.attention_probabilities")],
-        [ops.Save("layers.1.mlp_neurons"), ops.Save("logits"), ops.Save("next_token_probs")],
+        [ops.Save("layers.1.mlp_neurons"), ops.Save("logits"), ops.Save("next_token_probs"),
+         ops.Save("layers.1.attention_scores")],
         [],
     ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
@@ -77,10 +78,24 @@ def test_logits_are_saved_once_per_generated_token(run, reference) -> None:
     assert output.saved["logits"][0].argmax(-1).tolist() == generated
 
 
-def test_pattern_is_saved_from_the_whole_prompt_step(run, reference) -> None:
-    saved = run[0].saved["layers.0.self_attn.attention_probabilities"]
-    expected = transformers_values(reference, PROMPTS[0])
-    close(saved, expected["layers.0.self_attn.attention_probabilities"], "pattern")
+def test_patterns_cover_every_position_of_chunked_prompts_and_decode_steps(run,
+                                                                         reference) -> None:
+    """Request 0's prompt runs in one step, request 1's over three (8-token steps), then both
+    decode: each saved pattern row is a position's queries against every key so far, equal to
+    transformers' eager pattern of the whole sequence, future keys masked."""
+    for index, layer, name in ((0, 0, "attention_probabilities"), (1, 1, "attention_scores")):
+        output = run[index]
+        sequence = PROMPTS[index] + list(output.outputs[0].token_ids)[:-1]
+        expected = transformers_values(reference, sequence)[
+            f"layers.{layer}.self_attn.attention_probabilities"]
+        saved = output.saved[f"layers.{layer}.self_attn.{name}"]
+        assert saved.shape == expected.shape == (1, expected.shape[1], len(sequence),
+                                                 len(sequence))
+        probabilities = saved if name == "attention_probabilities" else saved.softmax(-1)
+        close(probabilities, expected, f"request {index} {name}")
+        future = torch.triu(torch.ones(len(sequence), len(sequence), dtype=torch.bool), 1)
+        masked = saved[0][:, future]
+        assert (masked == (0 if name == "attention_probabilities" else float("-inf"))).all()
 
 
 def test_every_request_generates_what_transformers_generates(run, reference) -> None:

@@ -1,6 +1,7 @@
 """The runtime on vLLM's Transformers backend (`model_impl="transformers"`): requests sharing
-steps each get their own attention values — queries, keys, values, head outputs, the pattern —
-equal to the same requests on vLLM's own Llama code and to transformers' pattern, and an edit of
+steps each get their own attention values — queries, keys, values, head outputs, the pattern at
+every position — equal to the same requests on vLLM's own Llama code (where prompts are split
+over steps) and to transformers' pattern, and an edit of
 the keys reaches the KV cache (the next tokens change) for its request only."""
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ def test_attention_values_on_the_backend_equal_vllms_own_code(llm, model_dir, re
     for prompt, backend, own in zip(PROMPTS, runs["saved"], native, strict=True):
         assert backend["error"] is None, backend["error"]
         assert backend["tokens"] == greedy(reference, prompt, GENERATED)
+        assert set(backend["saved"]) == set(own.saved)
         for location, value in own.saved.items():
-            if "attention_probabilities" in location:
-                continue  # vLLM's own engine here splits prompts over steps: no pattern
             close(backend["saved"][location], value, location)
+        sequence = prompt + backend["tokens"][:-1]
         with torch.no_grad():
-            pattern = reference(torch.tensor([prompt]), output_attentions=True).attentions[0]
+            pattern = reference(torch.tensor([sequence]), output_attentions=True).attentions[0]
         (probabilities,) = [value for location, value in backend["saved"].items()
                             if location.endswith("attention_probabilities")]
         close(probabilities, pattern, "layers.0.self_attn.attention_probabilities")

@@ -22,13 +22,16 @@ class Step:
     """What a value needs to know about one request's rows in one engine step.
 
     `first_position` is the absolute position of the request's first row this step, `tokens`
-    its row count, `prompt_length` the length of its prompt. A value such as the attention
-    pattern is only computable when the whole prompt is in one step.
+    its row count, `prompt_length` the length of its prompt. `earlier_keys` says that the
+    caller hands the attention pattern the request's keys of every earlier position with this
+    step's (vllm-runner keeps them); without them the pattern is computable only on a step
+    that starts at position 0.
     """
 
     first_position: int
     tokens: int
     prompt_length: int
+    earlier_keys: bool = False
 
     @property
     def whole_prompt(self) -> bool:

@@ -15,10 +15,10 @@ from vllm_envoys.pattern import Pattern
 from vllm_envoys.routing import UNSUPPORTED_ROUTER, Routing, router_of, unsupported
 from vllm_envoys.sites import Arguments, FirstOutput, Output
 
-WHOLE_PROMPT_ONLY = (
-    "the pattern is recomputed from the queries and keys of one step, so it needs the whole "
-    "prompt in a single step (a prefill without chunking); it is not available on decode steps "
-    "or chunked-prefill steps — raise max_num_batched_tokens above the prompt length"
+EARLIER_KEYS = (
+    "the pattern is recomputed from the step's queries and the keys of every earlier position, "
+    "and only this step's keys were given: it is available on steps that start at position 0 "
+    "(vllm-runner keeps each request's keys, and serves it on every step)"
 )
 ROUTED = (
     "this MLP is a mixture of experts run in one fused kernel: there is no single neuron or "
@@ -30,8 +30,10 @@ GATED = (
 )
 
 
-def _whole_prompt(host: Node, step: Step | None) -> str | None:
-    return None if step is None or step.whole_prompt else WHOLE_PROMPT_ONLY
+def _keys_from_position_zero(host: Node, step: Step | None) -> str | None:
+    if step is None or step.first_position == 0 or step.earlier_keys:
+        return None
+    return EARLIER_KEYS
 
 
 def _head_size(attention: nn.Module) -> int:
@@ -115,12 +117,12 @@ class Attention(Host):
         "each head's output, before the output projection", module="attn")
     attention_scores = EProperty(
         Arguments(("query", 0), ("key", 1)), Pattern(probabilities=False), layouts.PATTERN,
-        "pre-softmax scores recomputed from queries and keys (read-only)", module="attn",
-        unavailable=_whole_prompt, when="prefill")
+        "pre-softmax scores recomputed from queries and keys", module="attn",
+        unavailable=_keys_from_position_zero, when="read-only")
     attention_probabilities = EProperty(
         Arguments(("query", 0), ("key", 1)), Pattern(probabilities=True), layouts.PATTERN,
-        "the attention pattern recomputed from queries and keys (read-only)", module="attn",
-        unavailable=_whole_prompt, when="prefill")
+        "the attention pattern recomputed from queries and keys", module="attn",
+        unavailable=_keys_from_position_zero, when="read-only")
     attention_output = EProperty(
         Output(), Rows(), layouts.RESIDUAL, "attention's contribution to the stream")
 

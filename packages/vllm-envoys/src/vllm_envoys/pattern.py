@@ -47,22 +47,27 @@ def probabilities_from(scores: torch.Tensor, attention: nn.Module) -> torch.Tens
 
 
 def scores_from(query: torch.Tensor, key: torch.Tensor, attention: nn.Module) -> torch.Tensor:
-    """`[1, heads, query, key]` pre-softmax scores of one whole prompt, masked with `-inf`.
+    """`[1, heads, query, key]` pre-softmax scores of one request, masked with `-inf`.
 
-    Rows are positions `0..T-1` of one request's prompt. Keys are repeated over the query
-    heads that share them (grouped-query attention), as the kernel does.
+    `key` holds the request's keys of positions `0..K-1` and `query` its queries of the last
+    `T` of them (`K - T..K-1`): a whole prompt (`T == K`), a later chunk of one, or a decode
+    step's one row. Keys are repeated over the query heads that share them (grouped-query
+    attention), as the kernel does; causality and any sliding window mask by position.
     """
     head_size = module_int(attention, "head_size")
-    tokens = query.shape[0]
+    tokens, keys_count = query.shape[0], key.shape[0]
+    if keys_count < tokens:
+        raise ValueError(f"a pattern needs the keys of every position up to its last query: "
+                         f"got {keys_count} keys for {tokens} queries")
     queries = query.reshape(tokens, -1, head_size).transpose(0, 1).float()
-    keys = key.reshape(tokens, -1, head_size).transpose(0, 1).float()
+    keys = key.reshape(keys_count, -1, head_size).transpose(0, 1).float()
     keys = keys.repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
     scores = queries @ keys.transpose(1, 2) * attention_scale(attention)
     cap = attention_softcap(attention)
     if cap is not None:
         scores = cap * torch.tanh(scores / cap)
-    positions = torch.arange(tokens, device=query.device)
-    distance = positions[:, None] - positions[None, :]
+    positions = torch.arange(keys_count, device=query.device)
+    distance = positions[keys_count - tokens:, None] - positions[None, :]
     allowed = distance >= 0
     window = getattr(attention, "sliding_window", None)
     if window:
@@ -72,7 +77,8 @@ def scores_from(query: torch.Tensor, key: torch.Tensor, attention: nn.Module) ->
 
 
 class Pattern(Codec):
-    """Read-only codec over `(query, key)` giving scores or probabilities."""
+    """Read-only codec over `(query, key)` giving scores or probabilities: one row per query,
+    one column per key position from 0 (see `scores_from`)."""
 
     writable = False
 
@@ -87,7 +93,12 @@ class Pattern(Codec):
         return probabilities_from(scores, module).to(scores.dtype)
 
     def shape(self, piece: Any, module: nn.Module, host: Node | None = None) -> tuple[int, ...]:
-        query, _ = piece
+        query, key = piece
         tokens = query.shape[0]
         heads = query.reshape(tokens, -1, module_int(module, "head_size")).shape[1]
-        return (1, heads, tokens, tokens)
+        return (1, heads, tokens, key.shape[0])
+
+    def fill(self) -> float:
+        """What a masked (future) entry holds: `-inf` for scores, 0 for probabilities; rows of
+        different steps are padded with it to one key width."""
+        return 0.0 if self.probabilities else float("-inf")

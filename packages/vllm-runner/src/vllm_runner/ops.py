@@ -175,7 +175,7 @@ class Save(RowOp):
             return
         visit.services.store.save(visit.want.program_id, visit.location,
                                   visit.want.span.first_position, visit.read(),
-                                  visit.token_axis)
+                                  visit.token_axis, visit.fill)
 
 
 @dataclass(frozen=True)

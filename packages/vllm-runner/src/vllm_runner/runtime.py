@@ -241,6 +241,7 @@ class Runtime:
     def _forget(self, program_id: str) -> None:
         self.programs.forget(program_id)
         self._checked.discard(program_id)
+        self.services.keys.forget(program_id)
 
 
 def keep_logits_finite(logits: Any) -> None:

@@ -13,7 +13,9 @@ from typing import Any, Protocol
 import torch
 from tokenspan import ReadMode, RunRead, Span, StepLayout, narrow, widen
 from vllm_envoys import Step, Value
+from vllm_envoys.pattern import Pattern
 
+from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import refuse_non_finite
 from vllm_runner.ops import EditOp, Op
 from vllm_runner.store import SaveStore
@@ -64,14 +66,16 @@ class LogitLens(Protocol):
 
 @dataclass
 class Services:
-    """What ops use while they serve: where saves go, the lens, the read mode of `Call`s, and
-    a skipped layer's input rows within one forward (per program id and layer)."""
+    """What ops use while they serve: where saves go, the lens, the read mode of `Call`s, a
+    skipped layer's input rows within one forward (per program id and layer), and the keys
+    each request's patterns need from earlier steps."""
 
     store: SaveStore
     lens: LogitLens
     reads: ReadMode = "lease"
     keeps_saves: bool = True
     skipped: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    keys: KeyHistory = field(default_factory=KeyHistory)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,13 @@ class Visit:
         """The request's value as read (a private copy)."""
         return self.value.read(self.rows, self.want.step)
 
+    @property
+    def fill(self) -> float | None:
+        """What pads this value's rows of different steps to one width (a pattern's masked
+        entry), or `None` for a value whose rows all have one width."""
+        codec = self.value.eproperty.codec
+        return codec.fill() if isinstance(codec, Pattern) else None
+
     def write(self, edited: torch.Tensor) -> None:
         """Write the request's edited value into the engine's rows."""
         widen(self.raw, self.want.span, self.layout,
@@ -102,9 +113,13 @@ class Visit:
 
 
 def token_axis_of(value: Value) -> int | None:
-    """The axis of the value (as read) that runs along tokens, if it has one."""
+    """The axis of the value (as read) that runs along tokens, if it has one: a pattern's
+    query axis (one row per position, each against every key so far)."""
     layout = value.eproperty.layout
-    return layout.index("tokens") if "tokens" in layout else None
+    for name in ("tokens", "query"):
+        if name in layout:
+            return layout.index(name)
+    return None
 
 
 def serve(value: Value, raw: Any, visits: Visits, services: Services) -> None:
@@ -128,6 +143,9 @@ def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis
         return  # e.g. the pattern outside a whole-prompt step; a program failed earlier
     try:
         rows = narrow(raw, want.span, layout)
+        if reads_pattern(value):  # the keys of every earlier position join the step's
+            rows = services.keys.with_earlier_keys(want.program_id, value,
+                                                   want.span.first_position, rows)
         want.op.serve(Visit(want, value, raw, rows, layout, token_axis, services))
     except Exception as error:  # one request's failure must not stop the engine
         store.fail(want.program_id, f"{want.op.kind} at {value.location}: "

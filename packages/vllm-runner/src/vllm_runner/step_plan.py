@@ -77,7 +77,8 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
     for request in requests:
         program, request_id = request.program, request.request_id
         span = layout[request_id]
-        step = Step(span.first_position, len(span), request.prompt_length)
+        # Every pattern gets the request's earlier keys (`key_history`), on any step.
+        step = Step(span.first_position, len(span), request.prompt_length, earlier_keys=True)
         last = sampled[request_id]
         is_sampled = last.first_position >= request.prompt_length - 1
         last_step = Step(last.first_position, 1, request.prompt_length)

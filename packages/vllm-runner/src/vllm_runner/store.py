@@ -67,6 +67,9 @@ class SaveStore:
         self._chunks: dict[str, dict[str, list[Chunk]]] = defaultdict(
             lambda: defaultdict(list))
         self._axes: dict[tuple[str, str], int | None] = {}
+        # Values whose rows differ in width along their last axis (attention patterns: one key
+        # column per position so far), and what pads them to one width.
+        self._fills: dict[tuple[str, str], float] = {}
         self._errors: dict[str, str] = {}
         self._device_bytes: dict[str, int] = defaultdict(int)  # per program_id, saves on a device
         self._spilled: set[str] = set()  # program_ids with chunks moved to the host by `spill`
@@ -107,11 +110,14 @@ class SaveStore:
         return self._errors.pop(program_id, None)
 
     def save(self, program_id: str, location: str, first_position: int, value: torch.Tensor,
-             token_axis: int | None) -> None:
+             token_axis: int | None, fill: float | None = None) -> None:
         """Keep `value` for `program_id`: rows from `first_position` on along `token_axis`, or the
-        whole value (no token axis: the attention pattern). It must not change afterwards (a
-        private copy, or a slice of one)."""
+        whole value (no token axis). It must not change afterwards (a private copy, or a slice
+        of one). `fill` marks rows whose last axis grows with their position (an attention
+        pattern's keys): rows are padded with it to one width when joined."""
         self._axes[(program_id, location)] = token_axis
+        if fill is not None:
+            self._fills[(program_id, location)] = fill
         chunks = self._chunks[program_id][location]
         if host_copies.on_a_device(value):
             self._device_bytes[program_id] += value.numel() * value.element_size()
@@ -162,7 +168,7 @@ class SaveStore:
         """Queue `program_id`'s device chunks on `mover`, joined where positions follow on."""
         for location, chunks in self._chunks.get(program_id, {}).items():
             axis = self._axes.get((program_id, location))
-            if axis is not None:
+            if axis is not None and (program_id, location) not in self._fills:
                 chunks[:] = _joined(chunks, axis)
             for chunk in chunks:
                 if host_copies.on_a_device(chunk[1]):
@@ -215,10 +221,12 @@ class SaveStore:
         result: dict[str, torch.Tensor] = {}
         for location, chunks in self._chunks.pop(program_id, {}).items():
             axis = self._axes.pop((program_id, location), None)
+            fill = self._fills.pop((program_id, location), None)
             if axis is None:
                 result[location] = chunks[0][1]
                 continue
-            result[location] = _in_position_order(chunks, axis, computed, wanted[location])
+            result[location] = _in_position_order(chunks, axis, computed, wanted[location],
+                                                  fill)
         return result
 
     def _forget(self, program_id: str) -> None:
@@ -232,6 +240,7 @@ class SaveStore:
             self._forget(program_id)
             for location in self._chunks.pop(program_id, {}):
                 self._axes.pop((program_id, location), None)
+                self._fills.pop((program_id, location), None)
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -266,11 +275,14 @@ def _joined(chunks: list[Chunk], axis: int) -> list[Chunk]:
             for first, _, _, parts in runs]
 
 
-def _in_position_order(chunks: list[Chunk], axis: int, computed: int,
-                       keep: Keep) -> torch.Tensor:
+def _in_position_order(chunks: list[Chunk], axis: int, computed: int, keep: Keep,
+                       fill: float | None = None) -> torch.Tensor:
     """The chunks' rows by absolute position, a later chunk's row winning (preemption
     recomputes from position 0; a repeated step rewrites its rows); no rows (an empty token
-    axis) when none is kept, e.g. positions the request never reached."""
+    axis) when none is kept, e.g. positions the request never reached. With `fill`, rows are
+    padded with it along the last axis to the width of the last row kept (its position + 1)."""
+    if fill is not None:
+        chunks = _padded(chunks, fill)
     rows = torch.cat([chunk for _, chunk in chunks], dim=axis) if len(chunks) > 1 \
         else chunks[0][1]
     # Usually each chunk starts where the previous one ended, and nothing is filtered: the rows
@@ -278,8 +290,19 @@ def _in_position_order(chunks: list[Chunk], axis: int, computed: int,
     firsts = [first for first, _ in chunks]
     ends = [first + chunk.shape[axis] for first, chunk in chunks]
     if keep is None and firsts[1:] == ends[:-1]:
-        return rows.narrow(axis, 0, max(min(ends[-1], computed) - firsts[0], 0))
+        end = max(min(ends[-1], computed), firsts[0])
+        kept = rows.narrow(axis, 0, end - firsts[0])
+        return kept if fill is None else kept[..., :end]
     positions = [first + offset for first, chunk in chunks for offset in range(chunk.shape[axis])]
     latest = {position: index for index, position in enumerate(positions)}
-    order = [latest[p] for p in sorted(latest) if p < computed and (keep is None or keep(p))]
-    return rows.index_select(axis, rows.new_tensor(order, dtype=torch.long))
+    wanted = [p for p in sorted(latest) if p < computed and (keep is None or keep(p))]
+    kept = rows.index_select(axis, rows.new_tensor([latest[p] for p in wanted],
+                                                   dtype=torch.long))
+    return kept if fill is None else kept[..., :wanted[-1] + 1 if wanted else 0]
+
+
+def _padded(chunks: list[Chunk], fill: float) -> list[Chunk]:
+    """`chunks` padded with `fill` along their last axis to the widest one's width."""
+    width = max(chunk.shape[-1] for _, chunk in chunks)
+    return [Chunk(first, chunk if chunk.shape[-1] == width else torch.nn.functional.pad(
+        chunk, (0, width - chunk.shape[-1]), value=fill)) for first, chunk in chunks]

@@ -63,8 +63,9 @@ def saved_bytes_bound(ops: list[Op], locations: list[list[str]],
     generating up to `max_tokens`: exactly what they keep when it generates all of them.
 
     Each value is saved at every position the request runs through (the prompt and each
-    generated token but the last), `logits` at each sampled row, a pattern once over the
-    prompt; `positions` and `steps` narrow that. Values whose shape is unknown count nothing."""
+    generated token but the last), `logits` at each sampled row, a pattern at each of those
+    positions against every key up to the last; `positions` and `steps` narrow that. Values
+    whose shape is unknown count nothing."""
     total = 0
     run_through = prompt_length + max(max_tokens - 1, 0)
     for op, acting_at in zip(ops, locations, strict=True):
@@ -74,8 +75,13 @@ def saved_bytes_bound(ops: list[Op], locations: list[list[str]],
             value = shapes.get(location)
             if value is None:
                 continue
-            if value.token_axis is None:
-                rows = prompt_length * prompt_length if op.steps != "decode" else 0
+            if value.token_axis is None:  # a pattern: a row per position, a column per key
+                queries = {"all": run_through, "prefill": prompt_length,
+                           "decode": run_through - prompt_length}[op.steps]
+                if op.positions is not None:
+                    queries = min(queries, len(set(op.positions)))
+                widest = prompt_length if op.steps == "prefill" else run_through
+                rows = queries * widest
             else:
                 if location == "logits":  # one row per sampled token, the first at prefill
                     rows = {"all": max_tokens, "prefill": min(max_tokens, 1),
