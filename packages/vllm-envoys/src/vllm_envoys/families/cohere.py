@@ -11,8 +11,8 @@ from vllm_envoys import layouts
 from vllm_envoys.codecs import Rows
 from vllm_envoys.eproperty import EProperty, unavailable
 from vllm_envoys.family import Family
-from vllm_envoys.hosts import Layer
-from vllm_envoys.sites import Arguments, Output
+from vllm_envoys.hosts import StreamLayer
+from vllm_envoys.sites import Output
 
 PARALLEL = (
     "attention and the MLP run in parallel on the same normed input, so no stream exists between "
@@ -20,11 +20,9 @@ PARALLEL = (
 )
 
 
-class CohereLayer(Layer):
-    """`input_layernorm` → attention and MLP side by side → one add."""
+class CohereLayer(StreamLayer):
+    """`input_layernorm` → attention and MLP side by side → one add; returns `(stream, input)`."""
 
-    layer_input = EProperty(Arguments(("hidden_states", 1)), Rows(), layouts.RESIDUAL,
-                            "the residual stream entering the block")
     layer_mid = unavailable(PARALLEL, layouts.RESIDUAL)
     layer_output = EProperty(Output(0), Rows(), layouts.RESIDUAL,
                              "the residual stream leaving the block")

@@ -12,9 +12,8 @@ from vllm_envoys import layouts
 from vllm_envoys.codecs import Rows
 from vllm_envoys.eproperty import EProperty
 from vllm_envoys.family import Family
-from vllm_envoys.hosts import Attention, GatedMlp, Layer
-from vllm_envoys.node import module_from
-from vllm_envoys.sites import Arguments, Output
+from vllm_envoys.hosts import Attention, GatedMlp, StreamLayer
+from vllm_envoys.sites import Output
 
 
 class Exaone4Attention(Attention):
@@ -33,19 +32,13 @@ class Exaone4Mlp(GatedMlp):
                            module="../post_feedforward_layernorm")
 
 
-class Exaone4Layer(Layer):
-    """Post-norm block over the whole stream."""
+class Exaone4Layer(StreamLayer):
+    """Post-norm block over the whole stream; it returns `(stream, mid stream)`."""
 
     Attention = Exaone4Attention
     Mlp = Exaone4Mlp
     mid_norm_name = "mlp"
 
-    layer_input = EProperty(Arguments(("hidden_states", 1)), Rows(), layouts.RESIDUAL,
-                            "the residual stream entering the block")
-    layer_mid = EProperty(
-        Arguments(("x", 0)), Rows(writable=False), layouts.RESIDUAL,
-        "the residual stream after the attention add (read-only here: edit attention_output)",
-        module=module_from("mid_norm_name"))
     layer_output = EProperty(Output(0), Rows(), layouts.RESIDUAL,
                              "the residual stream leaving the block")
 
