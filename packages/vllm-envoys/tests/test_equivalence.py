@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EDITED_LAYER, GENERATED, ORACLE_DEVICE, PROMPT
+from conftest import EDITED_LAYER, GENERATED, PROMPT
 from hf_oracle import add_noise
 
 TOLERANCE = 1e-4  # relative to the reference's largest magnitude, fp32
@@ -16,23 +16,6 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str) -> N
     scale = expected.abs().max().clamp_min(1e-6).cpu()
     error = (actual.float().cpu() - expected.float().cpu()).abs().max() / scale
     assert error <= TOLERANCE, f"{what}: relative error {error:.2e} > {TOLERANCE}"
-
-
-# The comparisons of the engine's own output with transformers; a family whose engine is known
-# to differ on the CPU (FamilyCase.cpu_mismatch) must fail them there, and pass on a GPU.
-AGAINST_TRANSFORMERS = {
-    "test_generation_matches_transformers",
-    "test_every_value_equals_transformers_on_prompt_and_generated_positions",
-    "test_logits_are_the_sampled_rows_of_transformers_logits",
-    "test_every_writable_value_edit_moves_logits_exactly_as_in_transformers",
-}
-
-
-@pytest.fixture(autouse=True)
-def known_engine_mismatch(request: pytest.FixtureRequest, family) -> None:
-    mismatch = family.case.cpu_mismatch
-    if mismatch and ORACLE_DEVICE == "cpu" and request.node.originalname in AGAINST_TRANSFORMERS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=mismatch))
 
 
 TOKEN_AXIS = {"attention_queries": 2, "attention_keys": 2, "attention_values": 2}

