@@ -2,7 +2,8 @@
 
 `nox -s tests` runs every package's tests, each in its own virtual environment holding only what
 that package declares (its dependencies plus its `test` dependency group), then the cross-package
-scenarios under `tests/` with every package installed. `nox -s "tests(package='tokenspan')"`
+scenarios under `tests/` with every package installed — and there the meta-package's tests,
+which need the same environment. `nox -s "tests(package='tokenspan')"`
 runs one of them.
 
 `nox -s typecheck` checks every package's `src/` with mypy (settings in `pyproject.toml`: the
@@ -112,8 +113,16 @@ def _install(session: nox.Session, *requirements: str, package_dirs: list[Path] 
     session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *CUDA_ONLY_COMPANIONS)
 
 
+def _meta_packages() -> dict[str, Path]:
+    """Packages with no code of their own (no `src/`): the meta-package, which only pins the
+    stack. Their tests need every package installed, as the cross-package scenarios do, so they
+    run in that session's environment rather than in one more install of the whole stack."""
+    return {name: path for name, path in _package_dirs().items() if not (path / "src").is_dir()}
+
+
 @nox.session(python="3.11")
-@nox.parametrize("package", [*_package_dirs(), CROSS_PACKAGE])
+@nox.parametrize("package", [*(name for name in _package_dirs() if name not in _meta_packages()),
+                             CROSS_PACKAGE])
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests in an environment with only what it declares."""
     with _discarded_afterwards(session):
@@ -123,11 +132,12 @@ def tests(session: nox.Session, package: str) -> None:
 def _run_tests(session: nox.Session, package: str) -> None:
     packages = _package_dirs()
     if package == CROSS_PACKAGE:
-        group = _group(ROOT, "test")
-        _install(session, *map(str, packages.values()), *group)
+        meta = _meta_packages()
+        groups = [argument for path in (ROOT, *meta.values()) for argument in _group(path, "test")]
+        _install(session, *map(str, packages.values()), *groups)
         # The runnable examples in docs/ are tests too: a page that drifts from the code fails.
-        session.run("pytest", str(ROOT / "tests"), "--doctest-glob=*.md", str(ROOT / "docs"),
-                    *session.posargs)
+        session.run("pytest", str(ROOT / "tests"), *(str(path / "tests") for path in meta.values()),
+                    "--doctest-glob=*.md", str(ROOT / "docs"), *session.posargs)
         return
     package_dir = packages[package]
     local = _with_local_dependencies(package_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import time
 import urllib.error
@@ -120,6 +121,13 @@ def same_values(one: torch.Tensor, other: torch.Tensor) -> bool:
         return torch.equal(one, other)
     return one.shape == other.shape and torch.allclose(one, other, rtol=ACROSS_ENGINES,
                                                        atol=ACROSS_ENGINES / 10)
+
+
+def as_in_a_terminal() -> None:
+    """`preexec_fn` for a child that a test interrupts with Ctrl-C: SIGINT handled as in a
+    terminal. A process started in the background by a non-interactive shell (a CI script's
+    `cmd &`) inherits SIGINT ignored, and Python then never raises `KeyboardInterrupt`."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def user_environment() -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import user_environment
+from conftest import as_in_a_terminal, user_environment
 from vllm_runner.cli import build_parser, support_table
 
 COMMAND = [sys.executable, "-m", "vllm_runner.cli"]
@@ -109,7 +109,8 @@ def test_ctrl_c_stops_extract_with_one_line_and_exit_130_and_it_resumes(model_di
     arguments = [*COMMAND, "extract", "--model", model_dir, "--prompts", str(prompts), "--save",
                  "layers.*.layer_output", "--out", str(out), "--shard-size", "8"]
     child = subprocess.Popen(arguments, env=user_environment(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=as_in_a_terminal)
     try:
         deadline = time.monotonic() + 240
         while not (out / "shard-00001.safetensors").exists() and time.monotonic() < deadline:

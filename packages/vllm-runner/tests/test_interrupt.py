@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from conftest import PROMPTS, greedy
+from conftest import PROMPTS, as_in_a_terminal, greedy
 
 SCRIPT = """
 import json, sys, time
@@ -64,7 +64,8 @@ def test_ctrl_c_returns_within_seconds_and_a_new_llm_works(model_dir, reference,
         environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     child = subprocess.Popen([sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS[2])],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=environment, start_new_session=True)
+                             env=environment, start_new_session=True,
+                             preexec_fn=as_in_a_terminal)
     lines: dict[str, str] = {}
     log: list[str] = []
     sent = None
