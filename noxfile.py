@@ -141,8 +141,28 @@ def _run_tests(session: nox.Session, package: str) -> None:
         return
     package_dir = packages[package]
     local = _with_local_dependencies(package_dir)
-    _install(session, *map(str, local), *_group(package_dir, "test"), package_dirs=[package_dir])
-    session.run("pytest", str(package_dir / "tests"), *session.posargs)
+    guests = _vllm_tests_of_others(package)
+    groups = [argument for path in (package_dir, *guests) for argument in _group(path, "test")]
+    _install(session, *map(str, local), *groups, package_dirs=[package_dir])
+    elsewhere = ["-m", "not vllm"] if _vllm_tests_run_with(package_dir) else []
+    session.run("pytest", str(package_dir / "tests"), *elsewhere, *session.posargs)
+    for guest in guests:
+        session.run("pytest", str(guest / "tests"), "-m", "vllm")
+
+
+def _vllm_tests_run_with(package_dir: Path) -> str | None:
+    """The package whose environment runs this package's tests marked `vllm` (`[tool.vllm-interp]
+    vllm-tests-run-with`), or `None` when they run in its own."""
+    found = _pyproject(package_dir).get("tool", {}).get("vllm-interp", {}).get(
+        "vllm-tests-run-with")
+    return found if isinstance(found, str) else None
+
+
+def _vllm_tests_of_others(package: str) -> list[Path]:
+    """Lower packages whose tests marked `vllm` run in `package`'s environment: it holds vLLM
+    already, and a vLLM install of their own costs minutes. They are depended on by `package`,
+    so they are installed there; their test groups are added."""
+    return [path for path in _package_dirs().values() if _vllm_tests_run_with(path) == package]
 
 
 @nox.session(python="3.11")
