@@ -63,7 +63,3 @@ class KeyHistory:
         """Drop a finished or abandoned request's keys."""
         for held_at in [held_at for held_at in self._keys if held_at[0] == program_id]:
             del self._keys[held_at]
-
-    def held_bytes(self) -> int:
-        """What the kept keys take, for diagnostics."""
-        return sum(keys.numel() * keys.element_size() for keys in self._keys.values())

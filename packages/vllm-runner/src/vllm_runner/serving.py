@@ -140,7 +140,7 @@ def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis
     """Run one request's op on its own rows; a failure fails that request only."""
     store = services.store
     if value.reason(want.step) is not None or store.failed(want.program_id):
-        return  # e.g. the pattern outside a whole-prompt step; a program failed earlier
+        return  # e.g. a value this step cannot serve; a program failed earlier
     try:
         rows = narrow(raw, want.span, layout)
         if reads_pattern(value):  # the keys of every earlier position join the step's
