@@ -137,6 +137,14 @@ def user_environment() -> dict[str, str]:
             if name not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TRITON_F32_DEFAULT")}
 
 
+def engine_script_environment() -> dict[str, str]:
+    """The environment for a test's own engine script (not a command a user runs): the user's,
+    plus the numerics this suite's engines use (IEEE float32 in Triton), so its values can be
+    compared with this process's engine to the same tolerance."""
+    numerics = {name: os.environ[name] for name in ("TRITON_F32_DEFAULT",) if name in os.environ}
+    return {**user_environment(), **numerics}
+
+
 @contextlib.contextmanager
 def serving(command: list[str], base: str, log_path: Path, cwd: Path | None = None,
             seconds: float = 400, environment: dict[str, str] | None = None) -> Iterator[str]:

@@ -1,5 +1,6 @@
-"""`vllm_runner.AsyncLLM` as a user's asyncio program runs it (a script, the user's environment:
-vLLM's engine core in its own process), against the offline `LLM` on the same weights."""
+"""`vllm_runner.AsyncLLM` as a user's asyncio program runs it (a script, the user's environment
+with this suite's float32 numerics: vLLM's engine core in its own process), against the offline
+`LLM` on the same weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import PROMPTS, user_environment
+from conftest import PROMPTS, engine_script_environment
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
@@ -65,8 +66,8 @@ def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
     (tmp_path / "run.py").write_text(SCRIPT)
     torch.save((PROMPTS, STEER), tmp_path / "inputs.pt")
     ran = subprocess.run([sys.executable, "run.py", model_dir, "inputs.pt", "out.pt"],
-                         cwd=tmp_path, env=user_environment(), capture_output=True, text=True,
-                         timeout=600)
+                         cwd=tmp_path, env=engine_script_environment(), capture_output=True,
+                         text=True, timeout=600)
     assert ran.returncode == 0, ran.stderr[-4000:]
     got = torch.load(tmp_path / "out.pt")
     params = SamplingParams(max_tokens=4, temperature=0.0)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import PROMPTS, greedy, user_environment
+from conftest import PROMPTS, engine_script_environment, greedy
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
@@ -55,7 +55,7 @@ def test_attention_values_on_the_backend_equal_vllms_own_code(llm, model_dir, re
                                                                tmp_path) -> None:
     path = tmp_path / "backend.pt"
     subprocess.run([sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), str(path)],
-                   check=True, env=user_environment(), timeout=600)
+                   check=True, env=engine_script_environment(), timeout=600)
     runs = torch.load(path)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
     params = SamplingParams(max_tokens=GENERATED, temperature=0.0)
