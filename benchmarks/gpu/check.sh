@@ -9,7 +9,9 @@
 #                                         moved to the host at every step
 # The model runner is V1 unless VLLM_USE_V2_MODEL_RUNNER=1 is set for the command (issue [J]).
 #   benchmarks/gpu/check.sh suites envoys|runner [PYTEST_ARGS...]   (b) the equivalence suites of
-#                                         [C] / [D]; extra arguments (e.g. -k) go to pytest
+#                                         [C] / [D]; extra arguments (e.g. -k) go to pytest;
+#                                         SHARD=i/n runs the i-th of n slices of the runner's
+#                                         files (its whole suite passes 600 s on one GPU)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
@@ -85,6 +87,12 @@ suites() {
         *) files+=("$f") ;;
       esac
     done
+    if [ -n "${SHARD:-}" ]; then
+      # Slices by file, interleaved in file order, so slow files (the server's) spread out.
+      local shard=() index=${SHARD%/*} count=${SHARD#*/}
+      for i in "${!files[@]}"; do [ $((i % count + 1)) = "$index" ] && shard+=("${files[$i]}"); done
+      files=("${shard[@]}")
+    fi
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       for g in 0 1; do
         local part=()

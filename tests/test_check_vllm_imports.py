@@ -1,0 +1,42 @@
+"""benchmarks/gpu/check_vllm_imports.py: the check run against a staged vLLM release before a
+device session finds a name that moved, accepts an `ImportError` fallback, and passes our code
+against the vLLM installed here."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu" / "check_vllm_imports.py"
+
+
+def _check(source: Path, *paths: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), str(source), *map(str, paths)],
+                          capture_output=True, text=True, check=False)
+
+
+def test_a_moved_name_is_reported_and_a_fallback_is_not(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    (release / "vllm" / "old").mkdir(parents=True)
+    (release / "vllm" / "__init__.py").write_text("")
+    (release / "vllm" / "old" / "__init__.py").write_text("")
+    (release / "vllm" / "new.py").write_text("def moved():\n    pass\n")
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "plain.py").write_text("from vllm.old import moved\nimport vllm.gone\n")
+    (ours / "fallback.py").write_text(
+        "try:\n    from vllm.new import moved\nexcept ImportError:\n"
+        "    from vllm.old import moved\n")
+    ran = _check(release, ours)
+    assert ran.returncode == 1
+    assert ran.stdout.splitlines() == [f"{ours / 'plain.py'}:1: vllm.old has no moved",
+                                       f"{ours / 'plain.py'}:2: no module vllm.gone"]
+
+
+def test_our_code_imports_only_what_the_installed_vllm_has() -> None:
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    ran = _check(Path(spec.origin).parents[1])
+    assert ran.returncode == 0, ran.stdout
