@@ -33,11 +33,6 @@ class Step:
     prompt_length: int
     earlier_keys: bool = False
 
-    @property
-    def whole_prompt(self) -> bool:
-        """Whether these rows are the request's entire prompt, from position 0."""
-        return self.first_position == 0 and self.tokens == self.prompt_length
-
 
 Reason = str | Callable[[Node, Step | None], str | None] | None
 

