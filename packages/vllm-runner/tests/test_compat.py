@@ -92,3 +92,36 @@ def test_the_gpu_worker_module_never_imports_vllms_cpu_worker() -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_server_command_refuses_an_unchecked_release_before_starting_anything(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import vllm
+    from vllm_runner import cli
+
+    monkeypatch.delenv(UNCHECKED_VARIABLE, raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.19.1")
+    assert cli.main(["serve", "some-model", "--port", "1"]) == 2
+    refused = capsys.readouterr().err
+    assert refused.startswith("vllm-interp serve: ") and "0.19.1" in refused
+
+
+@pytest.mark.parametrize(("on_cpu", "v2_setting", "refused"), [
+    (True, None, False), (False, "0", False), (False, None, True), (False, "1", True)])
+def test_a_compiled_engine_is_refused_where_vllm_would_pick_its_v2_runner(
+        monkeypatch: pytest.MonkeyPatch, on_cpu: bool, v2_setting: str | None,
+        refused: bool) -> None:
+    from vllm.platforms import current_platform
+    from vllm_runner.compat import V2_VARIABLE
+    from vllm_runner.llm import check_compiled_runner
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: on_cpu)
+    if v2_setting is None:
+        monkeypatch.delenv(V2_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(V2_VARIABLE, v2_setting)
+    if refused:
+        with pytest.raises(ValueError, match=f"enforce_eager=False.*{V2_VARIABLE}=0"):
+            check_compiled_runner()
+    else:
+        check_compiled_runner()

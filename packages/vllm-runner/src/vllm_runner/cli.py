@@ -190,11 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given[:1] == ["serve"] and given[1:2] not in (["-h"], ["--help"]):
         # Everything after `serve` is vLLM's to parse (argparse would take its options for
         # ours); vLLM's server logs and exit status are its own.
+        from vllm_runner.errors import UnsupportedEngine
         from vllm_runner.serve_command import run_serve
 
         try:
             run_serve(given[1:])
-        except ValueError as error:
+        except (ValueError, UnsupportedEngine) as error:
             print(f"vllm-interp serve: {error}", file=sys.stderr)
             return 2
         return 0

@@ -1,8 +1,10 @@
 """`LLM`: vLLM's offline engine with per-request interpretability programs.
 
 All of vLLM's engine arguments pass through. Two are set for interpretability and explained:
-`enforce_eager=True` (forward hooks do not fire inside compiled graphs or CUDA-graph replays),
-and `worker_cls` (the worker that runs programs). Prompts with a program get a `cache_salt`
+`enforce_eager=True` unless the caller passes `False` (forward hooks do not fire inside compiled
+graphs or CUDA-graph replays; with `False`, on vLLM's V1 runner, steps without programs run
+vLLM's compiled path and steps with programs run uncompiled: `vllm_v1_runner`), and `worker_cls`
+(the worker that runs programs). Prompts with a program get a `cache_salt`
 derived from it, so their KV blocks are never shared with requests running a different program,
 and never read the prefix cache themselves, so their programs see every prompt row.
 """
@@ -19,7 +21,7 @@ from tokenspan import ReadMode
 from vllm import SamplingParams
 
 from vllm_runner import engine_rpc, vllm_client, wire
-from vllm_runner.compat import check_version
+from vllm_runner.compat import V2_VARIABLE, check_version
 from vllm_runner.engine_start import start
 from vllm_runner.errors import EngineDied, LocationError
 from vllm_runner.op_limits import check_op_fits
@@ -75,9 +77,9 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
     read_mode()
     device_saves_limit()
     if engine.get("enforce_eager") is False:
-        raise ValueError("vllm-runner needs enforce_eager=True: forward hooks do not fire "
-                         "inside compiled graphs or CUDA-graph replays")
-    engine["enforce_eager"] = True
+        check_compiled_runner()
+    else:
+        engine["enforce_eager"] = True
     if model is None:
         from vllm_runner.embedded import default_model
 
@@ -86,6 +88,19 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
         engine.setdefault("dtype", "float32")
     engine.setdefault("worker_cls", _worker_cls())
     return model
+
+
+def check_compiled_runner() -> None:
+    """Refuse `enforce_eager=False` where vLLM would pick its V2 runner (a GPU, unless
+    `VLLM_USE_V2_MODEL_RUNNER=0`): only the V1 adapter runs steps with programs uncompiled yet,
+    and a CUDA-graph replay would run no hook. The worker refuses it too (`runner_attach`); here
+    the message comes before an engine is built."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and os.environ.get(V2_VARIABLE) != "0":
+        raise ValueError(f"enforce_eager=False runs steps with programs uncompiled on vLLM's V1 "
+                         f"runner only so far (issue [K]); set {V2_VARIABLE}=0 before starting "
+                         "the engine, or leave enforce_eager at its default (True)")
 
 
 def _is_token_ids(prompt: Any) -> bool:
@@ -186,6 +201,13 @@ class LLM:
         """Every value of the served model by canonical location → `None` if it can be read
         (and, unless derived, written), else the reason it cannot. Runs nothing."""
         (answer, *_) = self._rpc("interp_support")
+        return answer
+
+    def forwards(self) -> dict[str, int]:
+        """How many forwards the engine has run through vLLM's compiled path (`"compiled"`) and
+        through the plain module tree (`"eager"`): with `enforce_eager=False`, the steps that
+        ran a program are the eager ones; an eager engine runs every step eager."""
+        (answer, *_) = self._rpc("interp_forwards")
         return answer
 
     def resolve(self, patterns: Sequence[str]) -> dict[str, list[str]]:

@@ -58,6 +58,16 @@ class Collected(TypedDict):
     error: str | None
 
 
+def never_ran(location: str) -> str:
+    """Why a program fails whose hook at `location` did not run in a forward it was scheduled
+    in: its values would be missing, or its edits not made, without a word (a forward replayed
+    from a CUDA graph or run compiled runs no hooks)."""
+    return (f"{location}: its hook did not run in a forward this request was part of (vLLM "
+            "ran the step compiled or from a CUDA graph, where no hook runs), so its values "
+            "would be missing or its edits not made; this is a bug of vllm-runner: please report "
+            "it with the engine's settings")
+
+
 class Runtime:
     """Hooks only what this step's programs name, and runs their ops on their own rows."""
 
@@ -77,7 +87,13 @@ class Runtime:
         self.hooks = Hooks(self.values, self._visit)
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
         self._resolved: dict[str, list[str]] = {}
+        #: Whether vLLM compiled the model: the adapters then run a step with programs
+        #: uncompiled (set by `runtime_loading.load_runtime`).
+        self.compiled = False
+        #: Forwards run so far, by how: vLLM's compiled path, or the plain module tree.
+        self.forwards = {"compiled": 0, "eager": 0}
         self._tokens = self._sampled = NO_VISITS
+        self._visited: set[str] = set()  # token-row locations whose hook ran this forward
         self._guard_logits = False
         self._edited_in_step = False  # a scheduled request's program edits (`program`)
         # Requests whose programs were checked against their prompt (at their first step).
@@ -144,6 +160,10 @@ class Runtime:
 
     # ------------------------------------------------------------------ per step
 
+    def count_forward(self, compiled: bool) -> None:
+        """Count one real forward (`forwards`), by whether it ran vLLM's compiled path."""
+        self.forwards["compiled" if compiled else "eager"] += 1
+
     def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> None:
         """Plan the step and hook what its programs want (nothing, for a step without any)."""
         self.store.spill(self.device_saves_limit)  # the last step's saves are all made
@@ -155,8 +175,14 @@ class Runtime:
         self.hooks.sync([*plan.locations(), *((SAMPLER_HOOK,) if self._guard_logits else ())])
 
     def end_step(self) -> None:
-        """Forget the step's token rows (hooks stay installed while programs keep wanting them);
-        the sampled rows wait for the runner's `compute_logits`, which follows the forward."""
+        """Fail the programs that waited at a hook that never ran, then forget the step's token
+        rows (hooks stay installed while programs keep wanting them); the sampled rows wait for
+        the runner's `compute_logits`, which follows the forward."""
+        for location, groups in self._tokens.wants.items():
+            if location not in self._visited:
+                for want in (want for members in groups for want in members):
+                    self.store.fail(want.program_id, never_ran(location))
+        self._visited.clear()
         self._tokens = NO_VISITS
         self.services.skipped.clear()
 
@@ -168,6 +194,7 @@ class Runtime:
         tokens = self._tokens
         if not tokens.wants.get(location):
             return
+        self._visited.add(location)
         if location not in self._shard_keys:
             self._shard_keys[location] = self.sharded.keys(value)
         shard_keys = self._shard_keys[location]

@@ -17,8 +17,17 @@ def load_runtime(runner: Any) -> None:
     fragments, rank = _tensor_parallel(model)
     runner.interp = Runtime(model, runner.model_config.hf_config, fragments, rank,
                             reads=read_mode(), device_saves_limit=device_saves_limit())
+    runner.interp.compiled = runner.interp_compiles = compiles(runner.vllm_config)
     runner.interp_written = WrittenBlocks()
     runner.interp_editing = set()  # requests whose programs edit (their blocks are marked)
+
+
+def compiles(vllm_config: Any) -> bool:
+    """Whether vLLM compiles the model (any compilation mode but none: `enforce_eager=False`,
+    on the CPU too, where vLLM traces with Dynamo and compiles with inductor)."""
+    from vllm.config import CompilationMode
+
+    return CompilationMode(vllm_config.compilation_config.mode) != CompilationMode.NONE
 
 
 def _tensor_parallel(model: Any) -> tuple[Any, int]:

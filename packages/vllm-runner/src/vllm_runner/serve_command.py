@@ -87,8 +87,14 @@ def embedded_defaults(options: Sequence[str]) -> list[str]:
 
 def run_serve(given: Sequence[str]) -> None:
     """Replace this process with `vllm serve` as `serve_command` builds it (signals, logs and
-    the exit status are vLLM's own); without a model, the embedded one."""
+    the exit status are vLLM's own); without a model, the embedded one. An unchecked vLLM
+    release is refused first, as `LLM` refuses it."""
+    import vllm
     from vllm.platforms import current_platform
+
+    from vllm_runner.compat import check_version
+
+    check_version(vllm.__version__)
 
     model, options = model_and_options(given)
     if model is None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
+import vllm
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -33,6 +34,7 @@ from vllm.entrypoints.serve.utils.api_utils import (
 from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner import server_routes
+from vllm_runner.compat import check_version
 from vllm_runner.json_ops import InterventionInputError
 from vllm_runner.ops import Save
 from vllm_runner.program import salted
@@ -189,6 +191,7 @@ class InterpEndpoints:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """The routes' shared state, once the engine is up; refuses to start on an engine
         without the interpretability worker (its requests would silently run no programs)."""
+        check_version(vllm.__version__)  # `vllm serve` with our plugin, not through ours
         if engine_client is None:  # vLLM's render-only server: no engine, nothing to serve
             return
         try:

@@ -7,6 +7,12 @@ blocks, and `_model_forward` — which vLLM documents as the method subclasses m
 which its profiling and dummy runs do not call — brackets every real forward with the step's
 plan.
 
+Where vLLM compiles the model (`enforce_eager=False`), a step with programs runs the plain
+module tree, so its hooks run: `_determine_batch_execution_and_padding` is asked for no CUDA
+graph (`force_eager`) and the forward context's `skip_compiled` is set, the switch vLLM itself
+uses for encoder inputs. Every other step runs vLLM's compiled (and, on a GPU, replayed) path
+untouched.
+
 What is read, per step: the request order `input_batch.req_ids[:num_reqs]` after the runner's
 own state update; request i owns rows `query_start_loc.np[i]:[i+1]`, and its first row's
 absolute position is `positions[query_start_loc[i]]`; each request's program travels in
@@ -21,6 +27,7 @@ from typing import Any
 
 import torch
 from tokenspan import StepLayout
+from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
 from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
@@ -62,6 +69,13 @@ def scheduled_step(runtime: Runtime, runner: Any,
     return layout, scheduled
 
 
+def runs_a_program(runner: Any, count: int) -> bool:
+    """Whether any of the step's first `count` requests carries a program (decoded or not)."""
+    requests = runner.requests
+    return any(program_data(_extra_args(requests.get(request_id))) is not None
+               for request_id in runner.input_batch.req_ids[:count])
+
+
 def blocks_of(groups: Iterable[Iterable[int]] | None) -> list[int]:
     """The block ids of a request's per-group lists (`block_ids`, `new_block_ids`), if any."""
     return [block for group in groups or () for block in group]
@@ -81,6 +95,7 @@ class RunnerMixin:
     """Put in front of vLLM's V1 model runner class by `attach`."""
 
     interp: Runtime
+    interp_compiles: bool  # whether vLLM compiled the model (`runtime_loading.compiles`)
     interp_written: WrittenBlocks
     interp_editing: set[str]
 
@@ -126,10 +141,25 @@ class RunnerMixin:
             runner._init_kv_zero_meta()
         runner._zero_block_ids(block_ids)
 
+    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's choice of CUDA graph for the step, or none where a request runs a program
+        (its hooks would not run in a replay)."""
+        count = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
+        if self.interp.compiled and runs_a_program(self, count):
+            kwargs["force_eager"] = True
+        return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
+            *args, **kwargs)
+
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
                        intermediate_tensors: Any = None, inputs_embeds: Any = None,
                        **model_kwargs: Any) -> Any:
-        self.interp.begin_step(*scheduled_step(self.interp, self, positions))
+        layout, scheduled = scheduled_step(self.interp, self, positions)
+        context = get_forward_context()
+        if scheduled and self.interp.compiled:
+            context.skip_compiled = True
+        # Counted by what runs, not by what was asked for: a test breaks the switch on purpose.
+        self.interp.count_forward(compiled=self.interp_compiles and not context.skip_compiled)
+        self.interp.begin_step(layout, scheduled)
         try:
             return super()._model_forward(  # type: ignore[misc]
                 input_ids=input_ids, positions=positions,

@@ -59,6 +59,11 @@ class WorkerRPC:
         """What this worker holds for requests not collected yet (`SaveStore.held`)."""
         return self.model_runner.interp.store.held()
 
+    def interp_forwards(self) -> dict[str, int]:
+        """Forwards run so far: through vLLM's compiled path, or the plain module tree (steps
+        with programs, or every step of an eager engine)."""
+        return dict(self.model_runner.interp.forwards)
+
 
 class InterpGPUWorker(WorkerRPC, GPUWorker):
     """vLLM's GPU worker with the interpretability runner (V1 or V2: `runner_attach`)."""
