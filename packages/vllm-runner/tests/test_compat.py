@@ -125,3 +125,19 @@ def test_a_compiled_engine_is_refused_where_vllm_would_pick_its_v2_runner(
             check_compiled_runner()
     else:
         check_compiled_runner()
+
+
+def test_our_code_imports_only_what_the_installed_vllm_has() -> None:
+    """benchmarks/gpu/check_vllm_imports.py, as run before a GPU session against a staged
+    release, passes against the vLLM this suite runs on."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "gpu" / "check_vllm_imports.py"
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    ran = subprocess.run([sys.executable, str(script), str(Path(spec.origin).parents[1])],
+                         capture_output=True, text=True, check=False)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
