@@ -1,9 +1,10 @@
-"""`LLM(enforce_eager=False)` on vLLM's V1 runner (issue [K], tier 1): the engine compiles the
-model as vLLM's default does (on the CPU: Dynamo and inductor), steps without programs run
-vLLM's compiled path untouched, and a step with a program runs the plain module tree, so its
-hooks run. Oracles: a bare compiled vLLM engine with the same settings (untraced requests),
-transformers and the suite's eager engine (traced ones). A forward that skips a program's hook
-fails that program loudly instead of returning nothing.
+"""`LLM(enforce_eager=False)` on vLLM's V1 runner (issue [K], tiers 1 and 2): the engine compiles
+the model as vLLM's default does (on the CPU: Dynamo and inductor); steps without programs run
+vLLM's compiled path untouched; a step whose programs act only at taps (`LLM(taps=...)`) runs
+compiled too, its taps served by the tap op inside the graph; any other step with a program runs
+the plain module tree, so its hooks run. Oracles: a bare compiled vLLM engine with the same
+settings (untraced requests), transformers and the suite's eager engine (traced ones). A forward
+that skips a program's hook fails that program loudly instead of returning nothing.
 
 Each compiled engine runs in a script of its own: two in-process engines cannot share this
 process (the second one's end tears down the distributed state the suite's engine uses)."""
@@ -35,6 +36,9 @@ STEER = torch.randn(128, generator=torch.Generator().manual_seed(3))
 # runs 4 steps alone.
 TRACED_PROMPTS, TRACED_TOKENS = [0, 2], [2, 6]
 PROGRAM = [ops.Save("layers.*.layer_output"), ops.Save("layers.1.mlp_neurons")]
+TAPS = ["layers.*.layer_output", "layers.1.mlp_neurons"]
+# Two requests steered in one step with vectors of their own, at a tap; the third runs plain.
+OTHER_STEER = torch.randn(128, generator=torch.Generator().manual_seed(4))
 
 COMMON = '''
 import os, sys
@@ -42,8 +46,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
 import torch
 from vllm import SamplingParams
 
-settings, prompts, steer, traced_prompts, traced_tokens, generated = torch.load(sys.argv[2])
+(settings, prompts, steer, other_steer, traced_prompts, traced_tokens, generated,
+ taps) = torch.load(sys.argv[2])
 plain = SamplingParams(max_tokens=generated, temperature=0.0, logprobs=2)
+traced = ([prompts[i] for i in traced_prompts],
+          [SamplingParams(max_tokens=n, temperature=0.0, logprobs=2) for n in traced_tokens])
 
 def summary(outputs):
     return [{"tokens": list(o.outputs[0].token_ids),
@@ -56,13 +63,14 @@ def summary(outputs):
 BARE = COMMON + '''
 from vllm import LLM
 llm = LLM(sys.argv[1], **settings)
-torch.save({"plain": summary(llm.generate(prompts, plain, use_tqdm=False))}, sys.argv[3])
+torch.save({"plain": summary(llm.generate(prompts, plain, use_tqdm=False)),
+            "traced": summary(llm.generate(*traced, use_tqdm=False))}, sys.argv[3])
 '''
 
 OURS = COMMON + '''
 from vllm_runner import LLM, ops
-llm = LLM(sys.argv[1], **settings)
-runs = {}
+llm = LLM(sys.argv[1], taps=taps, **settings)
+runs = {"taps": llm.taps()}
 
 def run(name, *args, **kwargs):
     before = llm.forwards()
@@ -73,11 +81,14 @@ def run(name, *args, **kwargs):
 
 run("plain", prompts, plain)
 program = [ops.Save("layers.*.layer_output"), ops.Save("layers.1.mlp_neurons")]
-run("traced", [prompts[i] for i in traced_prompts],
-    [SamplingParams(max_tokens=n, temperature=0.0) for n in traced_tokens],
-    interventions=[program, []])
-run("steered", prompts, plain,
-    interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0)], [], []])
+run("traced at taps", *traced, interventions=[program, []])
+run("traced elsewhere", *traced,
+    interventions=[[ops.Save("layers.1.attention_output"), *program], []])
+run("steered at a tap", prompts, plain,
+    interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0)],
+                   [ops.Add("layers.1.layer_output", other_steer, scale=8.0)], []])
+run("steered elsewhere", prompts, plain,
+    interventions=[[ops.Add("layers.1.attention_output", steer, scale=8.0)], [], []])
 
 def set_compiled(worker, value):
     worker.model_runner.interp.compiled = value
@@ -85,7 +96,8 @@ def set_compiled(worker, value):
 # The adapter told the engine is eager: a step with a program then runs compiled, its hooks
 # never run, and the guard must fail the program by name.
 llm.collective_rpc(set_compiled, args=(False,))
-run("hook skipped", prompts[:2], plain, interventions=[[ops.Save("layers.0.layer_output")], []])
+run("hook skipped", prompts[:2], plain,
+    interventions=[[ops.Save("layers.0.attention_output")], []])
 torch.save(runs, sys.argv[3])
 '''
 
@@ -98,7 +110,8 @@ def runs(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     folder = tmp_path_factory.mktemp("compiled")
     inputs = folder / "inputs.pt"
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS]
-    torch.save((SETTINGS, prompts, STEER, TRACED_PROMPTS, TRACED_TOKENS, GENERATED), inputs)
+    torch.save((SETTINGS, prompts, STEER, OTHER_STEER, TRACED_PROMPTS, TRACED_TOKENS, GENERATED,
+                TAPS), inputs)
     children = {}
     for name, script in (("bare", BARE), ("ours", OURS)):
         with open(folder / f"{name}.log", "w") as log:  # files: a full pipe would block it
@@ -122,18 +135,29 @@ def ours(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return runs["ours"]
 
 
+def test_taps_are_the_canonical_locations_of_their_patterns(ours) -> None:
+    assert ours["taps"] == ["layers.0.layer_output", "layers.1.layer_output",
+                            "layers.1.mlp.mlp_neurons", "layers.2.layer_output"]
+
+
 def test_requests_without_programs_run_compiled_and_equal_a_bare_compiled_engine(
         ours, bare) -> None:
     plain = ours["plain"]
-    assert plain["forwards"]["eager"] == 0 and plain["forwards"]["compiled"] > 0
+    assert plain["forwards"] == {"compiled": plain["forwards"]["compiled"], "taps": 0, "eager": 0}
+    assert plain["forwards"]["compiled"] > 0
     assert plain["outputs"] == bare["plain"]  # tokens and log-probabilities, bit for bit
 
 
-def test_a_traced_request_runs_eager_on_exactly_its_steps_and_equals_transformers(
-        ours, llm, reference) -> None:
-    traced = ours["traced"]
-    assert traced["forwards"] == {"eager": 2, "compiled": 4}
-    mine, plain = traced["outputs"]
+def traced_on_the_eager_engine(llm, program: list[ops.Op]) -> list[Any]:
+    return llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[i]) for i in TRACED_PROMPTS],
+                        [SamplingParams(max_tokens=n, temperature=0.0) for n in TRACED_TOKENS],
+                        interventions=[program, []], use_tqdm=False)
+
+
+def check_traced(run: dict[str, Any], llm, reference, program: list[ops.Op]) -> None:
+    """The traced request's values equal transformers' and the eager engine's, and both
+    requests' tokens the eager engine's."""
+    mine, plain = run["outputs"]
     assert mine["error"] is None
     generated = mine["tokens"]
     expected = transformers_values(reference, PROMPTS[0] + generated[:-1])
@@ -142,9 +166,7 @@ def test_a_traced_request_runs_eager_on_exactly_its_steps_and_equals_transformer
         close(mine["saved"][location], expected[location], location)
     # The eager engine's values to the last bits, not bit for bit: a compiling engine runs
     # torch's own norms and activations where an eager one runs vLLM's kernels (custom ops).
-    eager = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[i]) for i in TRACED_PROMPTS],
-                         [SamplingParams(max_tokens=n, temperature=0.0) for n in TRACED_TOKENS],
-                         interventions=[PROGRAM, []], use_tqdm=False)
+    eager = traced_on_the_eager_engine(llm, program)
     assert mine["saved"].keys() == eager[0].saved.keys()
     for location, value in mine["saved"].items():
         close(value, eager[0].saved[location], f"{location} against the eager engine")
@@ -152,23 +174,69 @@ def test_a_traced_request_runs_eager_on_exactly_its_steps_and_equals_transformer
     assert plain["tokens"] == list(eager[1].outputs[0].token_ids)
 
 
-def test_steering_on_a_compiled_engine_changes_only_its_own_request(ours, bare) -> None:
-    steered, others = ours["steered"]["outputs"][0], ours["steered"]["outputs"][1:]
+def test_a_request_traced_at_taps_runs_compiled_and_equals_transformers(
+        ours, llm, reference) -> None:
+    traced = ours["traced at taps"]
+    assert traced["forwards"] == {"compiled": 4, "taps": 2, "eager": 0}
+    check_traced(traced, llm, reference, PROGRAM)
+
+
+def test_a_request_traced_beside_a_tap_runs_eager_on_exactly_its_steps(
+        ours, llm, reference) -> None:
+    traced = ours["traced elsewhere"]
+    assert traced["forwards"] == {"compiled": 4, "taps": 0, "eager": 2}
+    check_traced(traced, llm, reference, [ops.Save("layers.1.attention_output"), *PROGRAM])
+
+
+def test_untraced_requests_beside_traced_ones_at_taps_equal_a_bare_compiled_engine(
+        ours, bare) -> None:
+    # The plain request shares both of the traced request's steps, all of them compiled:
+    # tokens and log-probabilities bit for bit.
+    plain = ours["traced at taps"]["outputs"][1]
+    assert plain["error"] is None and plain == bare["traced"][1]
+
+
+def plain_beside_steered(others: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    """Plain requests that shared steps with steered ones: the compiled engine's tokens, and
+    its log-probabilities to the last bits (the plain module tree rounds differently from
+    inductor's fused kernels)."""
+    for ours_one, theirs in zip(others, expected, strict=True):
+        assert ours_one["error"] is None and ours_one["tokens"] == theirs["tokens"]
+        for mine, wanted in zip(ours_one["logprobs"], theirs["logprobs"], strict=True):
+            assert mine.keys() == wanted.keys()
+            assert all(abs(mine[t] - wanted[t]) <= LOGPROB_TOLERANCE for t in mine)
+
+
+def test_two_requests_steered_at_a_tap_in_one_step_each_get_their_own_vector(
+        ours, bare, llm) -> None:
+    steered = ours["steered at a tap"]
+    assert steered["forwards"]["eager"] == 0 and steered["forwards"]["taps"] > 0
+    first, second, plain = steered["outputs"]
+    eager = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
+                         SamplingParams(max_tokens=GENERATED, temperature=0.0), interventions=[
+                             [ops.Add("layers.1.layer_output", STEER, scale=8.0)],
+                             [ops.Add("layers.1.layer_output", OTHER_STEER, scale=8.0)], []],
+                         use_tqdm=False)
+    for mine, theirs, unsteered in zip((first, second), eager, bare["plain"], strict=False):
+        assert mine["error"] is None
+        assert mine["tokens"] == list(theirs.outputs[0].token_ids)
+        assert mine["tokens"] != unsteered["tokens"]
+    plain_beside_steered([plain], bare["plain"][2:])
+
+
+def test_steering_elsewhere_on_a_compiled_engine_changes_only_its_own_request(
+        ours, bare) -> None:
+    run = ours["steered elsewhere"]
+    assert run["forwards"]["eager"] > 0 and run["forwards"]["taps"] == 0
+    steered, others = run["outputs"][0], run["outputs"][1:]
     assert steered["error"] is None and steered["tokens"] != bare["plain"][0]["tokens"]
-    # The others shared the steered request's uncompiled steps: the compiled engine's tokens,
-    # its log-probabilities to the last bits (inductor's fused kernels round differently from
-    # the plain modules; bit-identity beside traced requests needs taps in the graph, tier 2).
-    for ours_one, theirs in zip(others, bare["plain"][1:], strict=True):
-        assert ours_one["tokens"] == theirs["tokens"]
-        for mine, expected in zip(ours_one["logprobs"], theirs["logprobs"], strict=True):
-            assert mine.keys() == expected.keys()
-            assert all(abs(mine[t] - expected[t]) <= LOGPROB_TOLERANCE for t in mine)
+    plain_beside_steered(others, bare["plain"][1:])
 
 
 def test_a_program_whose_hook_a_compiled_forward_skips_fails_by_name(ours) -> None:
     skipped = ours["hook skipped"]
     assert skipped["forwards"]["eager"] == 0
     failed, plain = skipped["outputs"]
-    assert failed["error"] is not None and "layers.0.layer_output" in failed["error"]
+    assert failed["error"] is not None and "layers.0.self_attn.attention_output" in failed["error"]
     assert "did not run" in failed["error"] and failed["saved"] == {}
     assert plain["error"] is None

@@ -30,9 +30,12 @@ def hooked_at(location: str) -> str:
 class Hooks:
     """The hooks installed now, one per hooked location, calling `on_visit` when they fire."""
 
-    def __init__(self, values: dict[str, Value], on_visit: OnVisit) -> None:
+    def __init__(self, values: dict[str, Value], on_visit: OnVisit,
+                 tapped: frozenset[str] = frozenset()) -> None:
         self._values = values
         self._on_visit = on_visit
+        #: Locations a tap serves (`vllm_runner.taps`): they get no hook of their own.
+        self.tapped = tapped
         self._installed: dict[str, RemovableHandle] = {}
 
     def sync(self, wanted: Iterable[str]) -> None:
@@ -40,7 +43,8 @@ class Hooks:
         # An ordered dict, never a set: hooks on one module fire in installation order, and
         # under tensor parallelism every rank must run its gathers in the same order (a set's
         # order follows string hashes, which differ between processes).
-        hooked = dict.fromkeys(hooked_at(location) for location in wanted)
+        hooked = dict.fromkeys(hooked_at(location) for location in wanted
+                               if location not in self.tapped)
         for location in [location for location in self._installed if location not in hooked]:
             self._installed.pop(location).remove()
         for location in hooked:

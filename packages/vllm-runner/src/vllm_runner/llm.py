@@ -32,6 +32,7 @@ from vllm_runner.samples import Fanned, fan_keywords, label_completions, merge, 
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
+    TAPS_KEY,
     device_saves_limit,
     read_mode,
 )
@@ -63,12 +64,17 @@ def _with_text(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: ReadMode | None,
-                   interp_device_saves_mib: int | None) -> str:
+                   interp_device_saves_mib: int | None,
+                   taps: str | Sequence[str] | None = None) -> str:
     """What every engine of ours needs before vLLM starts it (`LLM` and `AsyncLLM` alike): a
     checked vLLM release, the workers' settings in the environment (checked here, not in a
-    worker's traceback), eager mode, the worker class, and the embedded model when `model` is
-    `None`. Fills `engine` in place; returns the model to start."""
+    worker's traceback), the taps in the engine's own config, eager mode unless asked
+    otherwise, the worker class, and the embedded model when `model` is `None`. Fills `engine`
+    in place; returns the model to start."""
     check_version(vllm.__version__)
+    if taps is not None:
+        engine["additional_config"] = {**(engine.get("additional_config") or {}),
+                                       TAPS_KEY: tap_patterns(taps)}
     if interp_reads is not None:
         os.environ[READS_VARIABLE] = read_mode(interp_reads)
     if interp_device_saves_mib is not None:
@@ -88,6 +94,17 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
         engine.setdefault("dtype", "float32")
     engine.setdefault("worker_cls", _worker_cls())
     return model
+
+
+def tap_patterns(taps: str | Sequence[str]) -> list[str]:
+    """`LLM(taps=...)` as a list of location patterns (one pattern may be given as a string);
+    anything else is refused by name here, before an engine starts."""
+    given = [taps] if isinstance(taps, str) else taps
+    if not isinstance(given, Sequence) or not all(isinstance(one, str) and one
+                                                  for one in given):
+        raise ValueError(f"taps={taps!r}: give location patterns as strings, e.g. "
+                         "taps=['layers.*.layer_output']")
+    return list(given)
 
 
 def check_compiled_runner() -> None:
@@ -148,7 +165,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, interp_reads: ReadMode | None = None,
-                 interp_device_saves_mib: int | None = None, **engine: Any) -> None:
+                 interp_device_saves_mib: int | None = None,
+                 taps: str | Sequence[str] | None = None, **engine: Any) -> None:
         """Start vLLM's engine on `model` with every engine argument in `engine`.
 
         Without `model`, the embedded SmolLM2-135M-Instruct is used (converted once into the
@@ -163,9 +181,15 @@ class LLM:
         moving them to the host between steps (by default `VLLM_INTERP_DEVICE_SAVES_MIB`, else
         half of the GPU memory free when the first save lands; 0 moves them every step): that
         memory is outside vLLM's `gpu_memory_utilization`. Set like `interp_reads`.
+
+        `taps` are locations (the usual patterns, e.g. `"layers.*.layer_output"`) served from
+        inside vLLM's compiled model: with `enforce_eager=False`, a step whose programs act
+        only at taps (and at `logits` / `next_token_probs`) runs compiled, and any other step
+        with a program runs the plain module tree. Resolved when the engine starts; a pattern
+        that names nothing stops the start. See the guide's "Compiled engines".
         """
         self._gone: str | None = None  # why the engine cannot be used any more, once known
-        model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib)
+        model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps)
         from vllm.platforms import current_platform
 
         self.engine = start(model, engine, on_cpu=current_platform.is_cpu())
@@ -203,10 +227,16 @@ class LLM:
         (answer, *_) = self._rpc("interp_support")
         return answer
 
+    def taps(self) -> list[str]:
+        """The canonical locations served from inside the compiled model (`LLM(taps=...)`)."""
+        (answer, *_) = self._rpc("interp_taps")
+        return answer
+
     def forwards(self) -> dict[str, int]:
-        """How many forwards the engine has run through vLLM's compiled path (`"compiled"`) and
-        through the plain module tree (`"eager"`): with `enforce_eager=False`, the steps that
-        ran a program are the eager ones; an eager engine runs every step eager."""
+        """How many forwards the engine has run, by path: vLLM's compiled path with no program
+        (`"compiled"`), the compiled path serving programs through their taps (`"taps"`), and
+        the plain module tree (`"eager"`: with `enforce_eager=False`, the steps whose programs
+        act somewhere no tap serves; an eager engine runs every step there)."""
         (answer, *_) = self._rpc("interp_forwards")
         return answer
 

@@ -8,6 +8,7 @@ the rows), `store` (what was saved).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
@@ -17,6 +18,7 @@ from torch import nn
 from tpfragments import Fragments
 from vllm_envoys import Value, standardize
 
+from vllm_runner.errors import LocationError
 from vllm_runner.hooks import SAMPLER_HOOK, Hooks
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
@@ -32,6 +34,9 @@ from vllm_runner.step_plan import (
     plan_step,
 )
 from vllm_runner.store import Keep, SaveStore, ToCollect
+from vllm_runner.taps import install_tap, register_server
+
+logger = logging.getLogger("vllm.interp")
 
 
 class Finished(TypedDict):
@@ -84,14 +89,19 @@ class Runtime:
         # only rank 0 keeps saves: the client collects from rank 0.
         self.services = Services(self.store, self.lens, read_mode(reads), keeps_saves=rank == 0)
         self.sharded = ShardedValues(model, fragments or Fragments())
-        self.hooks = Hooks(self.values, self._visit)
+        #: Locations served from inside the compiled model (`taps`), declared at start-up.
+        self.taps: frozenset[str] = frozenset()
+        self._tap_handles: list[Any] = []
+        self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
+        self.hooks = Hooks(self.values, self._visit, tapped=self.taps)
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
         self._resolved: dict[str, list[str]] = {}
         #: Whether vLLM compiled the model: the adapters then run a step with programs
         #: uncompiled (set by `runtime_loading.load_runtime`).
         self.compiled = False
-        #: Forwards run so far, by how: vLLM's compiled path, or the plain module tree.
-        self.forwards = {"compiled": 0, "eager": 0}
+        #: Forwards run so far, by how: vLLM's compiled path with no program, the compiled
+        #: path serving programs through their taps, or the plain module tree.
+        self.forwards = {"compiled": 0, "taps": 0, "eager": 0}
         self._tokens = self._sampled = NO_VISITS
         self._visited: set[str] = set()  # token-row locations whose hook ran this forward
         self._guard_logits = False
@@ -110,6 +120,56 @@ class Runtime:
     def locations_of(self, op: Op) -> list[str]:
         """The canonical locations an op acts at."""
         return [location for pattern in op.patterns() for location in self.resolve(pattern)]
+
+    def install_taps(self, patterns: Sequence[str]) -> list[str]:
+        """Serve the locations `patterns` name from inside the compiled model (`taps`); called
+        once, before vLLM compiles it. Returns the canonical locations tapped. A pattern that
+        names nothing, or a value the model never serves, is refused by name."""
+        locations = list(dict.fromkeys(
+            location for pattern in patterns for location in self.resolve(pattern)))
+        support = self.support()
+        for location in locations:
+            if location in PER_SAMPLED_ROW:
+                raise LocationError(f"tap {location!r}: sampled-row values are read outside "
+                                    "the compiled model already; leave them out of taps")
+            if (reason := support.get(location)) is not None:
+                raise LocationError(f"tap {location!r} is never available on this model: "
+                                    f"{reason}")
+        if locations:
+            name = register_server(self)
+            self._tap_handles = [install_tap(self.values[location], name)
+                                 for location in locations]
+        self.taps = frozenset(locations)
+        self.hooks.tapped = self.taps
+        return locations
+
+    def serve_tap(self, location: str, raw: Any) -> None:
+        """One visit of a tap (`taps`): served as a hook's would be."""
+        self._visit(location, self.values[location], raw)
+
+    def needs_module_tree(self, programs: Sequence[Program]) -> bool:
+        """Whether a step running `programs` must run the plain module tree: one of them acts
+        at a location inside the model that no tap serves (the sampled-row values are read
+        after the model, on any path). On a compiled engine, each such location is logged
+        once, with the way to keep its steps compiled."""
+        taps = self.taps
+        untapped = {location for program in programs for op in program.ops
+                    for location in self.locations_of(op)
+                    if location not in taps and location not in PER_SAMPLED_ROW}
+        if self.compiled and (new := untapped - self._logged_untapped):
+            self._logged_untapped |= new
+            logger.info("vllm-runner: programs act at %s, which no tap serves: their steps run "
+                        "the model uncompiled; start the engine with LLM(taps=[...]) naming "
+                        "them to keep those steps compiled", ", ".join(sorted(new)))
+        return bool(untapped)
+
+    def needs_module_tree_for(self, data: Sequence[ProgramData]) -> bool:
+        """`needs_module_tree` for programs as they travel (before the step decodes them); one
+        that does not decode or resolve runs the module tree, where its failure is reported."""
+        try:
+            return self.needs_module_tree([self.programs.get(one) for one in data])
+        except Exception:
+            return True
 
     def support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason."""
@@ -160,9 +220,10 @@ class Runtime:
 
     # ------------------------------------------------------------------ per step
 
-    def count_forward(self, compiled: bool) -> None:
-        """Count one real forward (`forwards`), by whether it ran vLLM's compiled path."""
-        self.forwards["compiled" if compiled else "eager"] += 1
+    def count_forward(self, compiled: bool, programs: bool) -> None:
+        """Count one real forward (`forwards`), by whether it ran vLLM's compiled path and, if
+        it did, whether its taps served programs."""
+        self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
 
     def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> None:
         """Plan the step and hook what its programs want (nothing, for a step without any)."""

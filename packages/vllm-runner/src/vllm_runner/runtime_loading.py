@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm_runner.kv_blocks import WrittenBlocks
 from vllm_runner.runtime import Runtime
-from vllm_runner.settings import device_saves_limit, read_mode
+from vllm_runner.settings import TAPS_KEY, device_saves_limit, read_mode
+from vllm_runner.taps import TAP_OP
+
+logger = logging.getLogger("vllm.interp")
 
 
 def load_runtime(runner: Any) -> None:
@@ -18,8 +22,26 @@ def load_runtime(runner: Any) -> None:
     runner.interp = Runtime(model, runner.model_config.hf_config, fragments, rank,
                             reads=read_mode(), device_saves_limit=device_saves_limit())
     runner.interp.compiled = runner.interp_compiles = compiles(runner.vllm_config)
+    install_taps(runner.interp, runner.vllm_config)
     runner.interp_written = WrittenBlocks()
     runner.interp_editing = set()  # requests whose programs edit (their blocks are marked)
+
+
+def install_taps(runtime: Runtime, vllm_config: Any) -> None:
+    """Install the taps the engine was started with (`taps.TAPS_KEY` in vLLM's
+    `additional_config`, set by `LLM(taps=...)`), before vLLM compiles the model, and list the
+    tap op among the operators vLLM's piecewise CUDA graphs are split at, so it runs between
+    their replays."""
+    patterns = (vllm_config.additional_config or {}).get(TAPS_KEY) or []
+    if not patterns:
+        return
+    locations = runtime.install_taps(patterns)
+    compilation = vllm_config.compilation_config
+    if compilation.splitting_ops is not None and TAP_OP not in compilation.splitting_ops:
+        compilation.splitting_ops.append(TAP_OP)
+    logger.info("vllm-runner: %d taps (%s): steps whose programs act only there run %s",
+                len(locations), ", ".join(patterns),
+                "compiled" if runtime.compiled else "eager, as every step of this engine")
 
 
 def compiles(vllm_config: Any) -> bool:

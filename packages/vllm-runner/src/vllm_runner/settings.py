@@ -12,6 +12,12 @@ from typing import cast
 
 from tokenspan import READ_MODES, ReadMode
 
+#: Where an engine's taps (`LLM(taps=...)`) travel to its workers: a key of vLLM's
+#: `additional_config`, which is the engine's own (an environment variable would reach every
+#: later engine of the process) and part of the config's hash (a model compiled for other taps
+#: is never taken from vLLM's compile cache).
+TAPS_KEY = "interp_taps"
+
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).
 READS_VARIABLE = "VLLM_INTERP_READS"
 

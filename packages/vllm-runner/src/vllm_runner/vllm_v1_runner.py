@@ -22,7 +22,9 @@ decoded programs in step order. The V2 runner's adapter is `vllm_v2_runner`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import inspect
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
 from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
-from vllm_runner.program import program_data
+from vllm_runner.program import ProgramData, program_data
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
@@ -69,11 +71,12 @@ def scheduled_step(runtime: Runtime, runner: Any,
     return layout, scheduled
 
 
-def runs_a_program(runner: Any, count: int) -> bool:
-    """Whether any of the step's first `count` requests carries a program (decoded or not)."""
+def programs_of(runner: Any, count: int) -> list[ProgramData]:
+    """The programs of the step's first `count` requests that carry one, as they travel."""
     requests = runner.requests
-    return any(program_data(_extra_args(requests.get(request_id))) is not None
-               for request_id in runner.input_batch.req_ids[:count])
+    found = (program_data(_extra_args(requests.get(request_id)))
+             for request_id in runner.input_batch.req_ids[:count])
+    return [data for data in found if data is not None]
 
 
 def blocks_of(groups: Iterable[Iterable[int]] | None) -> list[int]:
@@ -142,23 +145,33 @@ class RunnerMixin:
         runner._zero_block_ids(block_ids)
 
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's choice of CUDA graph for the step, or none where a request runs a program
-        (its hooks would not run in a replay)."""
+        """vLLM's choice of CUDA graph for the step; none where a request's program acts at a
+        location no tap serves (its hooks would not run in a replay), and no full graph where
+        programs act at taps alone (a full graph replays the taps' kernels, not their Python;
+        the piecewise graphs run the tap op between their pieces)."""
         count = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
-        if self.interp.compiled and runs_a_program(self, count):
+        if not self.interp.compiled or not (programs := programs_of(self, count)):
+            return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
+                *args, **kwargs)
+        if self.interp.needs_module_tree_for(programs):
             kwargs["force_eager"] = True
-        return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
-            *args, **kwargs)
+            return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
+                *args, **kwargs)
+        with pieces_only(self):
+            return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
+                *args, **kwargs)
 
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
                        intermediate_tensors: Any = None, inputs_embeds: Any = None,
                        **model_kwargs: Any) -> Any:
         layout, scheduled = scheduled_step(self.interp, self, positions)
         context = get_forward_context()
-        if scheduled and self.interp.compiled:
+        if scheduled and self.interp.compiled and self.interp.needs_module_tree(
+                [request.program for request in scheduled]):
             context.skip_compiled = True
         # Counted by what runs, not by what was asked for: a test breaks the switch on purpose.
-        self.interp.count_forward(compiled=self.interp_compiles and not context.skip_compiled)
+        self.interp.count_forward(compiled=self.interp_compiles and not context.skip_compiled,
+                                  programs=bool(scheduled))
         self.interp.begin_step(layout, scheduled)
         try:
             return super()._model_forward(  # type: ignore[misc]
@@ -167,6 +180,38 @@ class RunnerMixin:
                 **model_kwargs)
         finally:
             self.interp.end_step()
+
+
+@contextlib.contextmanager
+def pieces_only(runner: Any) -> Iterator[None]:
+    """Within the block, the runner's CUDA-graph dispatcher picks no full graph: vLLM's own
+    `invalid_modes` where its dispatcher takes them, else no graph at all (the taps then run
+    in the plain forward, never in a replay)."""
+    dispatcher: Any = getattr(runner, "cudagraph_dispatcher", None)
+    dispatch = getattr(dispatcher, "dispatch", None)
+    if dispatch is None:
+        yield
+        return
+    from vllm.config import CUDAGraphMode
+
+    takes_invalid = "invalid_modes" in inspect.signature(dispatch).parameters
+
+    def without_full(*args: Any, **kwargs: Any) -> Any:
+        if takes_invalid:
+            kwargs["invalid_modes"] = {*(kwargs.get("invalid_modes") or ()), CUDAGraphMode.FULL}
+        else:
+            kwargs["valid_modes"] = {CUDAGraphMode.NONE}
+        return dispatch(*args, **kwargs)
+
+    own = vars(dispatcher).get("dispatch")
+    dispatcher.dispatch = without_full
+    try:
+        yield
+    finally:
+        if own is None:
+            del dispatcher.dispatch  # the class's method again
+        else:
+            dispatcher.dispatch = own
 
 
 def _layer_caches(runner: Any) -> list[torch.Tensor]:

@@ -133,8 +133,10 @@ class RunnerV2Mixin:
         """V2's inputs of one real batch, then the step's plan (its signature differs between
         releases: everything passes through)."""
         batch = super().prepare_inputs(*args, **kwargs)  # type: ignore[misc]
-        self.interp.count_forward(compiled=False)  # V2 runs eager only (`runner_attach`)
-        self.interp.begin_step(*scheduled_step(self.interp, self.interp_programs, batch))
+        layout, scheduled = scheduled_step(self.interp, self.interp_programs, batch)
+        # V2 runs eager only (`runner_attach`)
+        self.interp.count_forward(compiled=False, programs=bool(scheduled))
+        self.interp.begin_step(layout, scheduled)
         self.interp_in_step = True
         return batch
 

@@ -59,9 +59,12 @@ class WorkerRPC:
         """What this worker holds for requests not collected yet (`SaveStore.held`)."""
         return self.model_runner.interp.store.held()
 
+    def interp_taps(self) -> list[str]:
+        """The canonical locations this worker serves from inside the compiled model."""
+        return sorted(self.model_runner.interp.taps)
+
     def interp_forwards(self) -> dict[str, int]:
-        """Forwards run so far: through vLLM's compiled path, or the plain module tree (steps
-        with programs, or every step of an eager engine)."""
+        """Forwards run so far, by path (`Runtime.forwards`)."""
         return dict(self.model_runner.interp.forwards)
 
 

@@ -1,0 +1,164 @@
+"""Taps: locations declared when the engine starts, served from inside vLLM's compiled model.
+
+A forward hook does not run in a compiled forward: Dynamo traced the model once, and the graph
+it made has no Python left in it. A tap is a hook whose body is one custom op,
+`vllm_interp::tap(tensors, key)`, installed before vLLM compiles the model, so Dynamo traces the
+op into the graph like any other operator. The op's implementation is Python that runs at every
+forward, compiled or not: it hands the value's tensors to the engine's runtime, which serves the
+step's requests on the step's layout as a hook would (the layout is read then, never at trace
+time: vLLM's compiled wrapper keeps no guards, so a value read while tracing is frozen).
+
+The op declares that it mutates its tensors, as vLLM's own attention op does with its output
+buffer: an edit is written into the engine's rows in place, and the compiler orders every later
+use of those tensors after it. On a GPU the op is also listed in vLLM's `splitting_ops`, so the
+piecewise CUDA graphs are split around it and it runs between their replays.
+
+The runtime is found by the key the op carries (`engine|location|structure`): one process may
+hold several engines, each with its own model. `structure` describes the hook's raw value (a
+tensor, a tuple of tensors, a module call's arguments), so the op's flat list of tensors can be
+put back into the shape the value's site reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from functools import cache
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from vllm_envoys import HookArgs, Value
+
+#: The op's qualified name, as vLLM's `splitting_ops` lists operators.
+TAP_OP = "vllm_interp::tap"
+
+_library = torch.library.Library("vllm_interp", "FRAGMENT")
+_library.define("tap(Tensor(a!)[] tensors, str key) -> ()")
+
+
+class TapServer(Protocol):
+    """What serves a tap's visit: the engine's runtime (`Runtime.serve_tap`)."""
+
+    def serve_tap(self, location: str, raw: Any) -> None: ...
+
+
+_servers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_numbers = itertools.count()
+
+
+def register_server(server: TapServer) -> str:
+    """Give an engine's runtime the name its taps' keys carry (unique within the process)."""
+    name = f"engine{next(_numbers)}"
+    _servers[name] = server
+    return name
+
+
+def _run_tap(tensors: list[torch.Tensor], key: str) -> None:
+    server_name, location, structure = _parse_key(key)
+    server = _servers.get(server_name)
+    if server is not None:
+        server.serve_tap(location, rebuild(structure, tensors))
+
+
+_library.impl("tap", _run_tap, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(TAP_OP, lib=_library)
+def _tap_while_tracing(tensors: list[torch.Tensor], key: str) -> None:
+    """Nothing while the compiler traces: the op only mutates its inputs."""
+
+
+@cache
+def _parse_key(key: str) -> tuple[str, str, str]:
+    server_name, location, structure = key.split("|", 2)
+    return server_name, location, structure
+
+
+# ------------------------------------------------------------------ raw values as flat tensors
+# Dynamo traces `flatten` (plain Python over the hook's arguments): the structure string is a
+# constant of the graph, and the tensors are the op's arguments.
+
+
+def flatten(raw: Any) -> tuple[list[torch.Tensor], str]:
+    """A hook's raw value as its tensors and a description of where they sit.
+
+    Tensors are `T`, `None` is `N`, anything else (an int, a config object) is `O` and comes
+    back as `None` (no standard value is read from one); tuples `(...)`, lists `[...]`, a module
+    call's arguments `A(args){name=...,}`."""
+    tensors: list[torch.Tensor] = []
+    return tensors, _describe(raw, tensors)
+
+
+def _describe(raw: Any, tensors: list[torch.Tensor]) -> str:
+    if isinstance(raw, torch.Tensor):
+        tensors.append(raw)
+        return "T"
+    if raw is None:
+        return "N"
+    if isinstance(raw, HookArgs):  # arguments first: `rebuild` takes the tensors in order
+        arguments = _describe(tuple(raw.args), tensors)
+        keywords = "".join(f"{name}={_describe(item, tensors)}," for name, item in
+                           raw.kwargs.items())
+        return f"A{arguments}{{{keywords}}}"
+    if isinstance(raw, tuple):
+        return "(" + "".join(_describe(item, tensors) + "," for item in raw) + ")"
+    if isinstance(raw, list):
+        return "[" + "".join(_describe(item, tensors) + "," for item in raw) + "]"
+    return "O"
+
+
+def rebuild(structure: str, tensors: list[torch.Tensor]) -> Any:
+    """The raw value `flatten` described, with `tensors` in their places."""
+    found, end = _rebuild(structure, 0, iter(tensors))
+    if end != len(structure):
+        raise ValueError(f"tap structure {structure!r} has text left at {end}")
+    return found
+
+
+def _rebuild(structure: str, at: int, tensors: Any) -> tuple[Any, int]:
+    mark = structure[at]
+    if mark == "T":
+        return next(tensors), at + 1
+    if mark in "NO":
+        return None, at + 1
+    if mark == "A":
+        args, at = _rebuild(structure, at + 1, tensors)
+        kwargs: dict[str, Any] = {}
+        at += 1  # "{"
+        while structure[at] != "}":
+            name, _, _ = structure[at:].partition("=")
+            kwargs[name], at = _rebuild(structure, at + len(name) + 1, tensors)
+            at += 1  # ","
+        return HookArgs(args, kwargs), at + 1
+    closing = {"(": ")", "[": "]"}[mark]
+    items: list[Any] = []
+    at += 1
+    while structure[at] != closing:
+        item, at = _rebuild(structure, at, tensors)
+        items.append(item)
+        at += 1  # ","
+    return (tuple(items) if mark == "(" else items), at + 1
+
+
+# ------------------------------------------------------------------ installing
+
+
+def install_tap(value: Value, server_name: str) -> RemovableHandle:
+    """Hook `value`'s module with the tap op (before vLLM compiles the model: a hook added
+    after Dynamo's one trace is never seen). The hook runs in eager forwards too, so a tapped
+    location is served by its tap alone, never by a second, ordinary hook."""
+    key_start = f"{server_name}|{value.location}|"
+    tap: Callable[..., None] = torch.ops.vllm_interp.tap
+    if value.side == "input":
+        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            tensors, structure = flatten(HookArgs(args, kwargs))
+            tap(tensors, key_start + structure)
+        return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        tensors, structure = flatten(output)
+        tap(tensors, key_start + structure)
+    return value.module.register_forward_hook(hook)

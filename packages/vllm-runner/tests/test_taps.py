@@ -1,0 +1,118 @@
+"""The tap op without an engine: raw values through the op's flat tensor list and back, and a
+toy model compiled by torch (`fullgraph=True`: no graph break is allowed) whose taps serve what
+the server holds when the compiled forward runs, not when it was traced, and whose in-place
+edits reach the rest of the compiled forward. The oracle is the same module run eagerly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from vllm_envoys import HookArgs
+from vllm_runner.taps import flatten, install_tap, rebuild, register_server
+
+leaves = st.one_of(
+    st.integers(1, 4).map(lambda n: torch.arange(float(n))),
+    st.none(),
+)
+raw_values = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3).map(tuple),
+        st.lists(inner, max_size=3),
+        st.builds(lambda args, kwargs: HookArgs(tuple(args), kwargs),
+                  st.lists(inner, max_size=3),
+                  st.dictionaries(st.sampled_from(["hidden_states", "residual", "x"]), inner,
+                                  max_size=2))),
+    max_leaves=8)
+
+
+def same(one: Any, other: Any) -> bool:
+    if isinstance(one, torch.Tensor):
+        return isinstance(other, torch.Tensor) and one is other
+    if isinstance(one, HookArgs):
+        return isinstance(other, HookArgs) and same(one.args, other.args) and \
+            one.kwargs.keys() == other.kwargs.keys() and \
+            all(same(one.kwargs[k], other.kwargs[k]) for k in one.kwargs)
+    if isinstance(one, (tuple, list)):
+        return type(one) is type(other) and len(one) == len(other) and \
+            all(same(a, b) for a, b in zip(one, other, strict=True))
+    return one is None and other is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw_values)
+def test_a_raw_value_comes_back_from_its_tensors_and_structure(raw: Any) -> None:
+    tensors, structure = flatten(raw)
+    assert same(rebuild(structure, tensors), raw)
+
+
+def test_what_is_not_a_tensor_comes_back_as_none() -> None:
+    tensors, structure = flatten((torch.ones(2), 7, "text"))
+    assert structure == "(T,O,O,)"
+    assert rebuild(structure, tensors)[1:] == (None, None)
+
+
+@dataclass
+class Tapped:
+    """What `install_tap` needs of a value: where it is and which side of its module."""
+
+    module: nn.Module
+    location: str
+    side: str
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+class Server:
+    """Adds `shift` to every tapped value and keeps what it saw (a copy)."""
+
+    def __init__(self) -> None:
+        self.shift = 0.0
+        self.seen: list[tuple[str, Any]] = []
+
+    def serve_tap(self, location: str, raw: Any) -> None:
+        tensor = raw if isinstance(raw, torch.Tensor) else raw.args[0]
+        self.seen.append((location, tensor.clone()))
+        tensor.add_(self.shift)
+
+
+# inductor once (the engine's compiled tests run it on every kind of tap): it compiles slowly.
+@pytest.mark.parametrize(("side", "backend"),
+                         [("output", "aot_eager"), ("input", "aot_eager"), ("input", "inductor")])
+def test_a_compiled_tap_serves_at_run_time_and_its_edits_reach_the_rest(side: str,
+                                                                        backend: str) -> None:
+    torch.manual_seed(0)
+    toy = Toy()
+    server = Server()
+    name = register_server(server)
+    # The output of `first`, or the input of `second` (after the relu): both edited in place.
+    module = toy.first if side == "output" else toy.second
+    handle = install_tap(Tapped(module, "place", side), name)  # type: ignore[arg-type]
+    compiled = torch.compile(toy, backend=backend, fullgraph=True, dynamic=True)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        plain = compiled(x)  # traced now, with no shift
+        server.shift = 2.0  # read when the op runs, never frozen at trace time
+        shifted = compiled(x)
+        handle.remove()
+        hidden = toy.first(x)
+        expected = toy.second((hidden if side == "input" else hidden + 2.0).relu()
+                              + (2.0 if side == "input" else 0.0))
+    torch.testing.assert_close(shifted, expected)
+    assert not torch.equal(plain, shifted)
+    assert [location for location, _ in server.seen] == ["place", "place"]
+    torch.testing.assert_close(server.seen[1][1], server.seen[0][1])  # what it saw, unedited
