@@ -98,6 +98,14 @@ def set_compiled(worker, value):
 llm.collective_rpc(set_compiled, args=(False,))
 run("hook skipped", prompts[:2], plain,
     interventions=[[ops.Save("layers.0.attention_output")], []])
+
+# A tap that names nothing: refused by name once the engine started (an eager one: quick).
+try:
+    LLM(sys.argv[1], taps=["layers.0.layer_output", "layers.9.layer_output"],
+        **{**settings, "enforce_eager": True})
+    runs["refused"] = None
+except Exception as error:
+    runs["refused"] = f"{type(error).__name__}: {error}"
 torch.save(runs, sys.argv[3])
 '''
 
@@ -138,6 +146,12 @@ def ours(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def test_taps_are_the_canonical_locations_of_their_patterns(ours) -> None:
     assert ours["taps"] == ["layers.0.layer_output", "layers.1.layer_output",
                             "layers.1.mlp.mlp_neurons", "layers.2.layer_output"]
+
+
+def test_a_tap_that_names_nothing_is_refused_by_name(ours) -> None:
+    assert ours["refused"] is not None and ours["refused"].startswith("LocationError: ")
+    assert "tap 'layers.9.layer_output'" in ours["refused"]
+    assert "tap 'layers.0.layer_output'" not in ours["refused"]
 
 
 def test_requests_without_programs_run_compiled_and_equal_a_bare_compiled_engine(

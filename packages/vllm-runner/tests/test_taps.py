@@ -14,6 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from vllm_envoys import HookArgs
+from vllm_runner.hooks import Hooks
+from vllm_runner.llm import tap_patterns
+from vllm_runner.runtime import tap_locations
 from vllm_runner.taps import flatten, install_tap, rebuild, register_server
 
 leaves = st.one_of(
@@ -116,3 +119,45 @@ def test_a_compiled_tap_serves_at_run_time_and_its_edits_reach_the_rest(side: st
     assert not torch.equal(plain, shifted)
     assert [location for location, _ in server.seen] == ["place", "place"]
     torch.testing.assert_close(server.seen[1][1], server.seen[0][1])  # what it saw, unedited
+
+
+def test_an_ordinary_hook_that_a_compiler_traces_fails_loudly() -> None:
+    # Only taps may run inside a compiled model: a hook traced there would be frozen into
+    # every later forward, so the trace stops with the hook's location named.
+    toy = Toy()
+    seen: list[str] = []
+    hooks = Hooks({"place": Tapped(toy.first, "place", "output")},  # type: ignore[dict-item]
+                  lambda location, value, raw: seen.append(location))
+    hooks.sync(["place"])
+    toy(torch.randn(2, 4))  # eager: served
+    assert seen == ["place"]
+    compiled = torch.compile(toy, backend="aot_eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match="the hook at place ran while the model was being "
+                                           "compiled"):
+        compiled(torch.randn(2, 4))
+
+
+def tap_plan(worker: Any, patterns: list[str]) -> tuple[list[str], dict[str, str]]:
+    runtime = worker.model_runner.interp
+    return tap_locations(patterns, runtime.resolve, runtime.support())
+
+
+def test_tap_patterns_resolve_on_the_model_and_bad_ones_are_refused_by_name(llm) -> None:
+    patterns = ["layers.*.layer_output", "layers.1.mlp_neurons", "layers.0.layer_output",
+                "layers.7.layer_output", "layers.0.mlp_activation", "logits", "layers.0.nonsense"]
+    (locations, refused), *_ = llm.collective_rpc(tap_plan, args=(patterns,))
+    assert locations == ["layers.0.layer_output", "layers.1.layer_output",
+                         "layers.2.layer_output", "layers.1.mlp.mlp_neurons"]  # once each
+    assert list(refused) == ["layers.7.layer_output", "layers.0.mlp_activation", "logits",
+                             "layers.0.nonsense"]
+    assert "gated" in refused["layers.0.mlp_activation"]  # the value's own reason
+    assert "needs no tap" in refused["logits"]
+    assert "layers.0.nonsense" in refused["layers.0.nonsense"]  # the resolver's own message
+    assert "layers.7" in refused["layers.7.layer_output"]
+
+
+@pytest.mark.parametrize("taps", [["layers.0.layer_output", 3], [""], 5])
+def test_taps_that_are_not_patterns_are_refused_before_an_engine_starts(taps: Any) -> None:
+    with pytest.raises(ValueError, match="taps="):
+        tap_patterns(taps)
+    assert tap_patterns("layers.0.layer_output") == ["layers.0.layer_output"]

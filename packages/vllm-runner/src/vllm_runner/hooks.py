@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from vllm_envoys import HookArgs, Value
@@ -25,6 +26,21 @@ OnVisit = Callable[[str, Value, Any], None]
 def hooked_at(location: str) -> str:
     """The location whose hook serves `location`."""
     return SAMPLER_HOOK if location in PER_SAMPLED_ROW else location
+
+
+class HookCaptured(RuntimeError):
+    """A hook ran while a compiler traced the model or a CUDA graph was captured: what it did
+    would be frozen into every later forward (a trace) or never run again (a replay)."""
+
+
+def refuse_capture(location: str) -> None:
+    """Fail loudly where a hook is being traced or captured instead of run (taps, not hooks,
+    are what runs inside a compiled model: `vllm_runner.taps`)."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available()
+                                         and torch.cuda.is_current_stream_capturing()):
+        raise HookCaptured(f"the hook at {location} ran while the model was being compiled or "
+                           "its CUDA graph captured; this is a bug of vllm-runner: please report "
+                           "it with the engine's settings")
 
 
 class Hooks:
@@ -56,10 +72,12 @@ class Hooks:
         if value.side == "input":
             def pre_hook(module: nn.Module, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> None:
+                refuse_capture(location)
                 on_visit(location, value, HookArgs(args, kwargs))
             return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            refuse_capture(location)
             on_visit(location, value, output)
         return value.module.register_forward_hook(hook)
 

@@ -11,6 +11,7 @@ and never read the prefix cache themselves, so their programs see every prompt r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -186,13 +187,21 @@ class LLM:
         inside vLLM's compiled model: with `enforce_eager=False`, a step whose programs act
         only at taps (and at `logits` / `next_token_probs`) runs compiled, and any other step
         with a program runs the plain module tree. Resolved when the engine starts; a pattern
-        that names nothing stops the start. See the guide's "Compiled engines".
+        that names nothing, or a value the model never serves, is refused by name
+        (`LocationError`) once the engine has started, and the engine shut down. See the
+        guide's "Compiled engines".
         """
         self._gone: str | None = None  # why the engine cannot be used any more, once known
         model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps)
         from vllm.platforms import current_platform
 
         self.engine = start(model, engine, on_cpu=current_platform.is_cpu())
+        if taps is not None and (refused := self._rpc("interp_taps")[0]["refused"]):
+            self._gone = "its taps were refused"
+            with contextlib.suppress(Exception):  # the refusal is what the caller must see
+                self.engine.llm_engine.engine_core.shutdown()
+            raise LocationError("; ".join(f"tap {pattern!r}: {reason}"
+                                          for pattern, reason in refused.items()))
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is vLLM's `LLM`'s (`get_tokenizer`, `llm_engine`, ...)."""
@@ -230,7 +239,7 @@ class LLM:
     def taps(self) -> list[str]:
         """The canonical locations served from inside the compiled model (`LLM(taps=...)`)."""
         (answer, *_) = self._rpc("interp_taps")
-        return answer
+        return list(answer["taps"])
 
     def forwards(self) -> dict[str, int]:
         """How many forwards the engine has run, by path: vLLM's compiled path with no program

@@ -9,7 +9,7 @@ the rows), `store` (what was saved).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -92,6 +92,8 @@ class Runtime:
         #: Locations served from inside the compiled model (`taps`), declared at start-up.
         self.taps: frozenset[str] = frozenset()
         self._tap_handles: list[Any] = []
+        #: Tap patterns refused at start-up, with the reason (`install_taps`).
+        self.refused_taps: dict[str, str] = {}
         self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
         self.hooks = Hooks(self.values, self._visit, tapped=self.taps)
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
@@ -121,27 +123,20 @@ class Runtime:
         """The canonical locations an op acts at."""
         return [location for pattern in op.patterns() for location in self.resolve(pattern)]
 
-    def install_taps(self, patterns: Sequence[str]) -> list[str]:
+    def install_taps(self, patterns: Sequence[str]) -> dict[str, str]:
         """Serve the locations `patterns` name from inside the compiled model (`taps`); called
-        once, before vLLM compiles it. Returns the canonical locations tapped. A pattern that
-        names nothing, or a value the model never serves, is refused by name."""
-        locations = list(dict.fromkeys(
-            location for pattern in patterns for location in self.resolve(pattern)))
-        support = self.support()
-        for location in locations:
-            if location in PER_SAMPLED_ROW:
-                raise LocationError(f"tap {location!r}: sampled-row values are read outside "
-                                    "the compiled model already; leave them out of taps")
-            if (reason := support.get(location)) is not None:
-                raise LocationError(f"tap {location!r} is never available on this model: "
-                                    f"{reason}")
+        once, before vLLM compiles it. Returns the patterns refused, with the reasons
+        (`tap_locations`): the engine still starts (a program there runs uncompiled), and
+        `LLM` reports them."""
+        locations, refused = tap_locations(patterns, self.resolve, self.support())
         if locations:
             name = register_server(self)
             self._tap_handles = [install_tap(self.values[location], name)
                                  for location in locations]
         self.taps = frozenset(locations)
         self.hooks.tapped = self.taps
-        return locations
+        self.refused_taps = refused
+        return refused
 
     def serve_tap(self, location: str, raw: Any) -> None:
         """One visit of a tap (`taps`): served as a hook's would be."""
@@ -330,6 +325,30 @@ class Runtime:
         self.programs.forget(program_id)
         self._checked.discard(program_id)
         self.services.keys.forget(program_id)
+
+
+def tap_locations(patterns: Sequence[str], resolve_pattern: Callable[[str], list[str]],
+                  support: dict[str, str | None]) -> tuple[list[str], dict[str, str]]:
+    """The canonical locations `patterns` tap, in order and once each, and the patterns
+    refused with the reason: one that names nothing, a value this model never serves, or a
+    sampled-row value (read after the model, on every path: it needs no tap)."""
+    locations: list[str] = []
+    refused: dict[str, str] = {}
+    for pattern in patterns:
+        try:
+            found = resolve_pattern(pattern)
+        except LocationError as error:
+            refused[pattern] = str(error)
+            continue
+        for location in found:
+            if location in PER_SAMPLED_ROW:
+                refused[pattern] = (f"{location} is read after the model, outside its compiled "
+                                    "part, on every path: it needs no tap")
+            elif (reason := support.get(location)) is not None:
+                refused[pattern] = f"{location} is never available on this model: {reason}"
+            elif location not in locations:
+                locations.append(location)
+    return locations, refused
 
 
 def keep_logits_finite(logits: Any) -> None:

@@ -35,12 +35,13 @@ def install_taps(runtime: Runtime, vllm_config: Any) -> None:
     patterns = (vllm_config.additional_config or {}).get(TAPS_KEY) or []
     if not patterns:
         return
-    locations = runtime.install_taps(patterns)
+    for pattern, reason in runtime.install_taps(patterns).items():
+        logger.warning("vllm-runner: tap %r refused: %s", pattern, reason)
     compilation = vllm_config.compilation_config
     if compilation.splitting_ops is not None and TAP_OP not in compilation.splitting_ops:
         compilation.splitting_ops.append(TAP_OP)
     logger.info("vllm-runner: %d taps (%s): steps whose programs act only there run %s",
-                len(locations), ", ".join(patterns),
+                len(runtime.taps), ", ".join(sorted(runtime.taps)),
                 "compiled" if runtime.compiled else "eager, as every step of this engine")
 
 

@@ -59,9 +59,11 @@ class WorkerRPC:
         """What this worker holds for requests not collected yet (`SaveStore.held`)."""
         return self.model_runner.interp.store.held()
 
-    def interp_taps(self) -> list[str]:
-        """The canonical locations this worker serves from inside the compiled model."""
-        return sorted(self.model_runner.interp.taps)
+    def interp_taps(self) -> dict[str, Any]:
+        """The canonical locations this worker serves from inside the compiled model
+        (`"taps"`), and the tap patterns it refused, with the reasons (`"refused"`)."""
+        runtime = self.model_runner.interp
+        return {"taps": sorted(runtime.taps), "refused": dict(runtime.refused_taps)}
 
     def interp_forwards(self) -> dict[str, int]:
         """Forwards run so far, by path (`Runtime.forwards`)."""

@@ -1,0 +1,317 @@
+"""What interpretability costs on a compiled engine: each arm against vLLM's *default* engine.
+
+Run with `python benchmarks/compiled_bench.py` in an environment holding the stack (the
+`bench(package='vllm-runner')` session's), e.g. `--shape smollm2-135m --concurrency 64`.
+It writes docs/benchmarks/compiled-<device>.md and a plot beside it (issue [K]).
+
+Method. The engine a user would otherwise run is vLLM's default (`vllm.LLM(model)`: on the CPU
+Dynamo and inductor, on a GPU also CUDA graphs); it runs in a process of its own, because our
+`LLM` may set engine variables that a later engine of the same process would keep. So does the
+eager bare engine (`enforce_eager=True`, the column every earlier benchmark compared against),
+and so does ours (`LLM(enforce_eager=False, taps=...)`, the taps each arm names). Each process
+holds one in-process engine and runs the workloads the coordinator sends it; the coordinator
+times nothing itself: each child reports how long its `generate` calls took. For each repeat
+and arm, the default engine and the arm run the same fresh prompts back to back (the default
+engine first in even repeats, second in odd ones); the ratio of a pair is default time / arm time
+(1.0 = free). Medians and min-max over repeats.
+
+Arms (the issue's): (a) no programs; (e) 10% of requests save one layer's `layer_output` (a tap);
+(b) every request saves it; (d) every request steered at one layer (a tap); (c) every request
+saves every layer's `layer_output` (taps); (call) a `Call` at one layer on every request (a tap,
+the Python function run between compiled pieces); (untapped) every request saves one layer's
+`attention_output`, which no tap serves (tier 1: those steps run eager); (eager) the eager bare
+engine, no programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+NAMES = {
+    "a": "our LLM, no programs",
+    "e": "10% of requests save one layer's layer_output (tap)",
+    "b": "every request saves one layer's layer_output (tap)",
+    "d": "every request steered at one layer (tap)",
+    "c": "every request saves every layer's layer_output (taps)",
+    "call": "a Call at one layer on every request (tap)",
+    "untapped": "every request saves one layer's attention_output (no tap: eager steps)",
+    "eager": "vLLM's eager engine (enforce_eager=True), no programs",
+}
+# The issue's targets on a GPU (ratio to the default engine); on the CPU only (a) has one.
+GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "call": 0.6}
+CPU_TARGETS = {"a": 0.98}
+
+
+def double(value: Any, context: Any) -> Any:
+    """The `call` arm's function: an edit any user could write, made in Python."""
+    return value * 1.0
+
+
+def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any]] | None:
+    """The interventions of an arm, one list per request (None: none at all)."""
+    import torch
+    from vllm_runner import ops
+
+    middle = layers // 2
+    one = [ops.Save(f"layers.{middle}.layer_output")]
+    if arm == "a":
+        return None
+    if arm == "e":
+        return [one if i % 10 == 0 else [] for i in range(requests)]
+    if arm == "b":
+        return [one] * requests
+    if arm == "d":
+        vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+        return [[ops.Add(f"layers.{middle}.layer_output", vector, scale=0.5)]] * requests
+    if arm == "c":
+        return [[ops.Save("layers.*.layer_output")]] * requests
+    if arm == "call":
+        return [[ops.Call(f"layers.{middle}.layer_output", double)]] * requests
+    if arm == "untapped":
+        return [[ops.Save(f"layers.{middle}.attention_output")]] * requests
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def serve_engine(kind: str, model: str, settings: dict[str, Any], taps: list[str],
+                 jobs: Any, results: Any) -> None:
+    """A child process: one engine (`default`, `eager` or `ours`), then one timed workload per
+    job `(arm, prompts, width, max_tokens)`, its seconds sent back."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if kind == "ours":
+        from vllm_runner import LLM
+
+        engine: Any = LLM(model, enforce_eager=False, taps=taps, **settings)
+    else:
+        import vllm
+
+        engine = vllm.LLM(model, enforce_eager=kind == "eager", **settings)
+    config = engine.llm_engine.model_config
+    layers = config.get_num_layers(engine.llm_engine.vllm_config.parallel_config)
+    results.put(("ready", layers, config.get_hidden_size(), config.get_vocab_size()))
+    while (job := jobs.get()) is not None:
+        arm, prompts, width, max_tokens = job
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
+        start = time.perf_counter()
+        for first in range(0, len(requests), width):
+            wave = requests[first:first + width]
+            if kind == "ours":
+                outputs = engine.generate(wave, params, use_tqdm=False, interventions=programs(
+                    arm, len(wave), layers, config.get_hidden_size()))
+                failed = [output.error for output in outputs if output.error]
+                if failed:
+                    results.put(("failed", failed[0]))
+                    return
+            else:
+                engine.generate(wave, params, use_tqdm=False)
+        results.put(("took", time.perf_counter() - start))
+    results.put(("forwards", engine.forwards() if kind == "ours" else None))
+
+
+class Engine:
+    """A child process holding one engine, and the queues to it."""
+
+    def __init__(self, kind: str, model: str, settings: dict[str, Any], taps: list[str]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.kind = kind
+        self.jobs, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=serve_engine, name=f"engine-{kind}", args=(
+            kind, model, settings, taps, self.jobs, self.results))
+        self.process.start()
+        started = time.perf_counter()
+        _, self.layers, self.hidden, self.vocab = self.answer("ready")
+        print(f"{kind} engine ready in {time.perf_counter() - started:.0f} s", flush=True)
+
+    def answer(self, expected: str) -> tuple[Any, ...]:
+        found = self.results.get(timeout=3600)
+        if found[0] != expected:
+            raise RuntimeError(f"the {self.kind} engine answered {found!r}")
+        return tuple(found)
+
+    def run(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int) -> float:
+        self.jobs.put((arm, prompts, width, max_tokens))
+        return float(self.answer("took")[1])
+
+    def close(self) -> Any:
+        self.jobs.put(None)
+        forwards = self.answer("forwards")[1]
+        self.process.join(timeout=120)
+        return forwards
+
+
+def main() -> None:
+    import torch
+    from random_models import SHAPES, random_checkpoint
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                        help="instead of --model: a random model of this shape")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=64, help="requests per run")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arms", default=",".join(NAMES))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--out", default=None, help="default: docs/benchmarks/compiled-<device>.md")
+    arguments = parser.parse_args()
+    arms = arguments.arms.split(",")
+    if unknown := [arm for arm in arms if arm not in NAMES]:
+        raise SystemExit(f"unknown arms {unknown}; known: {', '.join(NAMES)}")
+
+    on_gpu = torch.cuda.is_available()
+    settings: dict[str, Any] = {"dtype": arguments.dtype, "seed": 0}
+    if on_gpu:
+        settings["gpu_memory_utilization"] = arguments.gpu_memory_utilization
+    else:
+        settings["kv_cache_memory_bytes"] = 1 << 30
+    model = arguments.model
+    if arguments.shape:
+        model = random_checkpoint(arguments.shape, tempfile.mkdtemp(),
+                                  getattr(torch, arguments.dtype), "cuda" if on_gpu else "cpu")
+        settings["skip_tokenizer_init"] = True
+    if model is None:
+        from vllm_runner.embedded import default_model
+
+        model = default_model()
+    # One engine at a time starts (start-up compiles, and would compete for the cores).
+    default = Engine("default", model, settings, [])
+    middle = default.layers // 2
+    taps = [f"layers.{middle}.layer_output", "layers.*.layer_output"]
+    engines = {"default": default, "ours": Engine("ours", model, settings, taps)}
+    if "eager" in arms:
+        engines["eager"] = Engine("eager", model, settings, [])
+    generator = torch.Generator().manual_seed(0)
+
+    def fresh_prompts() -> list[list[int]]:
+        # New prompts for every pair: no engine has them in its prefix cache.
+        return [torch.randint(0, default.vocab, (int(length),), generator=generator).tolist()
+                for length in torch.randint(32, 257, (arguments.requests,), generator=generator)]
+
+    def arm_engine(arm: str) -> Callable[[list[list[int]]], float]:
+        engine = engines["eager" if arm == "eager" else "ours"]
+        return lambda prompts: engine.run(arm, prompts, arguments.concurrency,
+                                          arguments.max_tokens)
+
+    warm = fresh_prompts()
+    for engine in engines.values():
+        engine.run("a", warm, arguments.concurrency, arguments.max_tokens)
+    ratios: dict[str, list[float]] = {arm: [] for arm in arms}
+    seconds: dict[str, list[float]] = {arm: [] for arm in arms}
+    default_seconds: list[float] = []
+    for repeat in range(arguments.repeats):
+        for arm in arms:
+            prompts = fresh_prompts()
+            run_arm = arm_engine(arm)
+            run_default = lambda: default.run("a", prompts, arguments.concurrency,  # noqa: E731
+                                              arguments.max_tokens)
+            if repeat % 2 == 0:
+                base, took = run_default(), run_arm(prompts)
+            else:
+                took, base = run_arm(prompts), run_default()
+            default_seconds.append(base)
+            seconds[arm].append(took)
+            ratios[arm].append(base / took)
+            print(f"repeat {repeat + 1}/{arguments.repeats} {arm:>8}: default {base:6.2f} s, "
+                  f"arm {took:6.2f} s, ratio {base / took:.3f}", flush=True)
+    forwards = {kind: engine.close() for kind, engine in engines.items()}
+    device = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()}, " \
+                                                           f"{os.cpu_count()} cores"
+    out = Path(arguments.out or ROOT / "docs" / "benchmarks" /
+               f"compiled-{'gpu' if on_gpu else 'cpu'}.md")
+    report = render(arguments, arms, ratios, seconds, default_seconds, forwards["ours"],
+                    device, model, on_gpu, out.with_suffix(".png").name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    plot(arms, ratios, out.with_suffix(".png"), device)
+    print(report)
+
+
+def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, list[float]],
+           seconds: dict[str, list[float]], default_seconds: list[float],
+           forwards: dict[str, int], device: str, model: str, on_gpu: bool, plot_name: str) -> str:
+    import torch
+    import vllm
+
+    targets = GPU_TARGETS if on_gpu else CPU_TARGETS
+    name = f"random {arguments.shape}" if arguments.shape else Path(model).name
+    lines = [
+        "# Interpretability on a compiled engine, against vLLM's default engine",
+        "",
+        f"Written by `benchmarks/compiled_bench.py` on {datetime.date.today()} ({device}, "
+        f"torch {torch.__version__}, vLLM {vllm.__version__}); model `{name}`, "
+        f"{arguments.dtype}; {arguments.requests} requests per run, {arguments.concurrency} in "
+        f"flight, prompts of 32-256 random tokens, {arguments.max_tokens} generated each; "
+        f"{arguments.repeats} repeats. Each engine in a process of its own: vLLM's default "
+        "engine (compiled" + (", CUDA graphs" if on_gpu else ": Dynamo and inductor") + "), "
+        "ours (`LLM(enforce_eager=False, taps=[middle layer's and every layer's "
+        "layer_output])`) and vLLM's eager engine. A pair runs the same fresh prompts on the "
+        "default engine and the arm, order alternating; ratio = default time / arm time "
+        "(1.0 = free). Medians, min-max over repeats.",
+        "",
+        f"Default engine: median {statistics.median(default_seconds):.2f} s per run.",
+        "",
+        "| arm | what | median s | ratio vs default | min-max | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        ratio = statistics.median(ratios[arm])
+        target = targets.get(arm)
+        verdict = "" if target is None else f"{'met' if ratio >= target else 'NOT met'} " \
+                                            f"(≥ {target})"
+        lines.append(f"| {arm} | {NAMES[arm]} | {statistics.median(seconds[arm]):.2f} | "
+                     f"{ratio:.3f} | {min(ratios[arm]):.3f}-{max(ratios[arm]):.3f} | "
+                     f"{verdict} |")
+    lines += [
+        "",
+        f"Our engine's forwards over the whole run, by path (`LLM.forwards()`): {forwards}. "
+        "`taps` counts compiled forwards whose programs were served by taps; `eager` the "
+        "forwards of steps whose programs acted where no tap serves (the `untapped` arm's).",
+        "",
+        f"![ratios]({plot_name})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(arms: list[str], ratios: dict[str, list[float]], path: Path, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 0.5 + 0.45 * len(arms)))
+    medians = [statistics.median(ratios[arm]) for arm in arms]
+    low = [median - min(ratios[arm]) for arm, median in zip(arms, medians, strict=True)]
+    high = [max(ratios[arm]) - median for arm, median in zip(arms, medians, strict=True)]
+    axes.barh([NAMES[arm] for arm in arms], medians, xerr=[low, high], color="#4c72b0")
+    axes.axvline(1.0, color="black", linewidth=0.8)
+    axes.invert_yaxis()
+    axes.set_xlabel("throughput ratio to vLLM's default engine (1.0 = free)")
+    axes.set_title(f"Compiled engine, {device}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()
