@@ -212,6 +212,9 @@ def main() -> None:
         return lambda prompts: engine.run(arm, prompts, arguments.concurrency,
                                           arguments.max_tokens)
 
+    def run_default(prompts: list[list[int]]) -> float:
+        return default.run("a", prompts, arguments.concurrency, arguments.max_tokens)
+
     warm = fresh_prompts()
     for engine in engines.values():
         engine.run("a", warm, arguments.concurrency, arguments.max_tokens)
@@ -222,12 +225,10 @@ def main() -> None:
         for arm in arms:
             prompts = fresh_prompts()
             run_arm = arm_engine(arm)
-            run_default = lambda: default.run("a", prompts, arguments.concurrency,  # noqa: E731
-                                              arguments.max_tokens)
             if repeat % 2 == 0:
-                base, took = run_default(), run_arm(prompts)
+                base, took = run_default(prompts), run_arm(prompts)
             else:
-                took, base = run_arm(prompts), run_default()
+                took, base = run_arm(prompts), run_default(prompts)
             default_seconds.append(base)
             seconds[arm].append(took)
             ratios[arm].append(base / took)
