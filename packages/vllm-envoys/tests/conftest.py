@@ -163,8 +163,12 @@ def deepseek_v2_config() -> DeepseekV2Config:
                             routed_scaling_factor=1.0, norm_topk_prob=False)
 
 
+# On a CPU with AMX tiles vLLM picks its AMX MLA backend, whose weight packing takes 16- and
+# 8-bit weights only: a float32 model fails at load ("expect weight to be bfloat16, float16,
+# int8, ..."; seen on 2026-12-02). vLLM's own setting picks its reference CPU MLA backend.
 DEEPSEEK_ON_CPU = (
-    (("compilation_config", {"custom_ops": ["-rotary_embedding"]}),)
+    (("compilation_config", {"custom_ops": ["-rotary_embedding"]}),
+     ("attention_config", {"backend": "CPU_MLA"}))
     if os.environ.get("VLLM_INTERP_ORACLE_DEVICE", "cpu") == "cpu" else ())
 LATENT_ATTENTION = GATED_ONLY | {
     "attention_queries", "attention_keys", "attention_values", "attention_head_outputs",
