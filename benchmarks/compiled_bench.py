@@ -159,13 +159,10 @@ class Engine:
 
 def main() -> None:
     import torch
-    from random_models import SHAPES, random_checkpoint
+    from random_models import add_model_arguments, random_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
-                        help="instead of --model: a random model of this shape")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_model_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=64, help="requests per run")
     parser.add_argument("--max-tokens", type=int, default=32)

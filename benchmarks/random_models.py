@@ -7,6 +7,7 @@ costs. `tiny` is for fast runs on CPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -46,3 +47,12 @@ def random_checkpoint(shape: str, folder: str | Path, dtype: torch.dtype = torch
     # A generation config without sampling defaults, so both engines sample the same way.
     (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     return str(path)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark takes to pick its model: a checkpoint (`--model`), or a
+    random one of a real shape (`--shape`), and the dtype."""
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                        help="instead of --model: a random model of this shape")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -47,7 +47,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 import torch
 import vllm
-from random_models import SHAPES, random_checkpoint
+from random_models import add_model_arguments, random_checkpoint
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
@@ -194,10 +194,7 @@ def engine_settings(arguments: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
-    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
-                        help="instead of --model: a random model of this shape")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_model_arguments(parser)
     parser.add_argument("--concurrency", default="1,16,64",
                         help="requests in flight, comma-separated (e.g. 1,16,64)")
     parser.add_argument("--min-requests", type=int, default=4,

@@ -87,6 +87,9 @@ class Server:
         self.shift = 0.0
         self.seen: list[tuple[str, Any]] = []
 
+    def wants_tap(self, location: str) -> bool:
+        return True
+
     def serve_tap(self, location: str, raw: Any) -> None:
         tensor = raw if isinstance(raw, torch.Tensor) else raw.args[0]
         self.seen.append((location, tensor.clone()))

@@ -138,6 +138,10 @@ class Runtime:
         self.refused_taps = refused
         return refused
 
+    def wants_tap(self, location: str) -> bool:
+        """Whether a request of this step waits at the tapped `location`."""
+        return bool(self._tokens.wants.get(location))
+
     def serve_tap(self, location: str, raw: Any) -> None:
         """One visit of a tap (`taps`): served as a hook's would be."""
         self._visit(location, self.values[location], raw)

@@ -40,7 +40,9 @@ _library.define("tap(Tensor(a!)[] tensors, str key) -> ()")
 
 
 class TapServer(Protocol):
-    """What serves a tap's visit: the engine's runtime (`Runtime.serve_tap`)."""
+    """What serves a tap's visit: the engine's runtime (`Runtime.wants_tap`, `serve_tap`)."""
+
+    def wants_tap(self, location: str) -> bool: ...
 
     def serve_tap(self, location: str, raw: Any) -> None: ...
 
@@ -59,7 +61,8 @@ def register_server(server: TapServer) -> str:
 def _run_tap(tensors: list[torch.Tensor], key: str) -> None:
     server_name, location, structure = _parse_key(key)
     server = _servers.get(server_name)
-    if server is not None:
+    # Most visits find nobody waiting (every step without programs): nothing is rebuilt then.
+    if server is not None and server.wants_tap(location):
         server.serve_tap(location, rebuild(structure, tensors))
 
 
