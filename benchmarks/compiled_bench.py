@@ -96,6 +96,10 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any], taps: list[str
     from vllm.inputs import TokensPrompt
 
     if kind == "ours":
+        import torch
+
+        if torch.cuda.is_available():  # our V2 adapter runs eager only so far (issue [K])
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from vllm_runner import LLM
 
         engine: Any = LLM(model, enforce_eager=False, taps=taps, **settings)
@@ -297,14 +301,14 @@ def plot(arms: list[str], ratios: dict[str, list[float]], path: Path, device: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 0.5 + 0.45 * len(arms)))
+    figure, axes = plt.subplots(figsize=(10, 1.2 + 0.45 * len(arms)))
     medians = [statistics.median(ratios[arm]) for arm in arms]
     low = [median - min(ratios[arm]) for arm, median in zip(arms, medians, strict=True)]
     high = [max(ratios[arm]) - median for arm, median in zip(arms, medians, strict=True)]
     axes.barh([NAMES[arm] for arm in arms], medians, xerr=[low, high], color="#4c72b0")
     axes.axvline(1.0, color="black", linewidth=0.8)
     axes.invert_yaxis()
-    axes.set_xlabel("throughput ratio to vLLM's default engine (1.0 = free)")
+    axes.set_xlabel("throughput ratio to vLLM's default engine (1.0 = free; bars: min-max)")
     axes.set_title(f"Compiled engine, {device}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -14,6 +14,8 @@
 #                                         files (its whole suite passes 600 s on one GPU)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
+#   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,
+#                                         against vLLM's default engine (each in its own process)
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
 # Run benchmarks one at a time: beside a second one on the other GPU the bare engine was 1.6x
 # slower (host work of two processes), and arms whose cost is host work more so.
@@ -138,6 +140,19 @@ bench() {
     > "$out/$name.log" 2>&1
   local status=$?
   grep -v WARNING "$out/$name.log" | grep -v "Capturing CUDA graphs" | tail -40
+  return $status
+}
+
+compiled() {
+  # Issue [K]: ours compiled with taps (on V1: the V2 adapter runs eager only so far) against
+  # vLLM's real default (V2, CUDA graphs, compiled), each engine in a process of its own.
+  local shape=${1:-smollm2-135m} repeats=${2:-3}
+  local name="compiled-$shape"
+  $python benchmarks/compiled_bench.py --shape "$shape" --dtype bfloat16 --repeats "$repeats" \
+    --concurrency 64 --requests 256 --max-tokens 128 --out "$out/$name.md" \
+    > "$out/$name.log" 2>&1
+  local status=$?
+  grep -v WARNING "$out/$name.log" | grep -v "Capturing CUDA graphs" | tail -30
   return $status
 }
 
