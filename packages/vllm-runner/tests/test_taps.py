@@ -17,7 +17,7 @@ from vllm_envoys import HookArgs
 from vllm_runner.hooks import Hooks
 from vllm_runner.llm import tap_patterns
 from vllm_runner.runtime import tap_locations
-from vllm_runner.taps import flatten, install_tap, rebuild, register_server
+from vllm_runner.taps import flatten, install_tap, rebuild, serve_taps
 
 leaves = st.one_of(
     st.integers(1, 4).map(lambda n: torch.arange(float(n))),
@@ -104,16 +104,19 @@ def test_a_compiled_tap_serves_at_run_time_and_its_edits_reach_the_rest(side: st
     torch.manual_seed(0)
     toy = Toy()
     server = Server()
-    name = register_server(server)
     # The output of `first`, or the input of `second` (after the relu): both edited in place.
     module = toy.first if side == "output" else toy.second
-    handle = install_tap(Tapped(module, "place", side), name)  # type: ignore[arg-type]
+    handle = install_tap(Tapped(module, "place", side))  # type: ignore[arg-type]
     compiled = torch.compile(toy, backend=backend, fullgraph=True, dynamic=True)
     x = torch.randn(3, 4)
     with torch.no_grad():
-        plain = compiled(x)  # traced now, with no shift
+        compiled(x)  # traced now; nobody serves the taps outside a forward of an engine
+        assert server.seen == []
+        serve_taps(server)
+        plain = compiled(x)
         server.shift = 2.0  # read when the op runs, never frozen at trace time
         shifted = compiled(x)
+        serve_taps(None)
         handle.remove()
         hidden = toy.first(x)
         expected = toy.second((hidden if side == "input" else hidden + 2.0).relu()

@@ -34,7 +34,7 @@ from vllm_runner.step_plan import (
     plan_step,
 )
 from vllm_runner.store import Keep, SaveStore, ToCollect
-from vllm_runner.taps import install_tap, register_server
+from vllm_runner.taps import install_tap, serve_taps
 
 logger = logging.getLogger("vllm.interp")
 
@@ -129,10 +129,7 @@ class Runtime:
         (`tap_locations`): the engine still starts (a program there runs uncompiled), and
         `LLM` reports them."""
         locations, refused = tap_locations(patterns, self.resolve, self.support())
-        if locations:
-            name = register_server(self)
-            self._tap_handles = [install_tap(self.values[location], name)
-                                 for location in locations]
+        self._tap_handles = [install_tap(self.values[location]) for location in locations]
         self.taps = frozenset(locations)
         self.hooks.tapped = self.taps
         self.refused_taps = refused
@@ -233,6 +230,8 @@ class Runtime:
         # `keep_logits_finite`.
         self._guard_logits, self._edited_in_step = self._edited_in_step, False
         self.hooks.sync([*plan.locations(), *((SAMPLER_HOOK,) if self._guard_logits else ())])
+        if self.taps:
+            serve_taps(self)
 
     def end_step(self) -> None:
         """Fail the programs that waited at a hook that never ran, then forget the step's token
@@ -242,6 +241,8 @@ class Runtime:
             if location not in self._visited:
                 for want in (want for members in groups for want in members):
                     self.store.fail(want.program_id, never_ran(location))
+        if self.taps:
+            serve_taps(None)
         self._visited.clear()
         self._tokens = NO_VISITS
         self.services.skipped.clear()

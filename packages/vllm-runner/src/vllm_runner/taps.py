@@ -13,16 +13,14 @@ buffer: an edit is written into the engine's rows in place, and the compiler ord
 use of those tensors after it. On a GPU the op is also listed in vLLM's `splitting_ops`, so the
 piecewise CUDA graphs are split around it and it runs between their replays.
 
-The runtime is found by the key the op carries (`engine|location|structure`): one process may
-hold several engines, each with its own model. `structure` describes the hook's raw value (a
-tensor, a tuple of tensors, a module call's arguments), so the op's flat list of tensors can be
-put back into the shape the value's site reads.
+The op's key is `location|structure`: `structure` describes the hook's raw value (a tensor, a
+tuple of tensors, a module call's arguments), so the op's flat list of tensors can be put back
+into the shape the value's site reads. The runtime that serves it is the one whose forward runs
+now (`serve_taps`), so one process may hold several engines.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from collections.abc import Callable
 from functools import cache
 from typing import Any, Protocol
@@ -47,22 +45,24 @@ class TapServer(Protocol):
     def serve_tap(self, location: str, raw: Any) -> None: ...
 
 
-_servers: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
-_numbers = itertools.count()
+_serving: list[TapServer] = []  # the runtime whose forward runs now, if any
 
 
-def register_server(server: TapServer) -> str:
-    """Give an engine's runtime the name its taps' keys carry (unique within the process)."""
-    name = f"engine{next(_numbers)}"
-    _servers[name] = server
-    return name
+def serve_taps(server: TapServer | None) -> None:
+    """Make `server` the one that serves every tap until the next call (`None`: nobody).
+
+    The runtime calls it when a step's forward begins and ends. A process runs one forward at
+    a time, so the runtime of the forward running now is the one to serve, whichever engine of
+    the process it belongs to; the op's key names no engine, so a graph compiled (or taken
+    from vLLM's compile cache) in another process or for another engine finds the right one.
+    Outside a forward (vLLM's warm-up and profiling runs) taps serve nobody."""
+    _serving[:] = [] if server is None else [server]
 
 
 def _run_tap(tensors: list[torch.Tensor], key: str) -> None:
-    server_name, location, structure = _parse_key(key)
-    server = _servers.get(server_name)
+    location, structure = _parse_key(key)
     # Most visits find nobody waiting (every step without programs): nothing is rebuilt then.
-    if server is not None and server.wants_tap(location):
+    if _serving and (server := _serving[0]).wants_tap(location):
         server.serve_tap(location, rebuild(structure, tensors))
 
 
@@ -75,9 +75,9 @@ def _tap_while_tracing(tensors: list[torch.Tensor], key: str) -> None:
 
 
 @cache
-def _parse_key(key: str) -> tuple[str, str, str]:
-    server_name, location, structure = key.split("|", 2)
-    return server_name, location, structure
+def _parse_key(key: str) -> tuple[str, str]:
+    location, structure = key.split("|", 1)
+    return location, structure
 
 
 # ------------------------------------------------------------------ raw values as flat tensors
@@ -149,11 +149,11 @@ def _rebuild(structure: str, at: int, tensors: Any) -> tuple[Any, int]:
 # ------------------------------------------------------------------ installing
 
 
-def install_tap(value: Value, server_name: str) -> RemovableHandle:
+def install_tap(value: Value) -> RemovableHandle:
     """Hook `value`'s module with the tap op (before vLLM compiles the model: a hook added
     after Dynamo's one trace is never seen). The hook runs in eager forwards too, so a tapped
     location is served by its tap alone, never by a second, ordinary hook."""
-    key_start = f"{server_name}|{value.location}|"
+    key_start = f"{value.location}|"
     tap: Callable[..., None] = torch.ops.vllm_interp.tap
     if value.side == "input":
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
