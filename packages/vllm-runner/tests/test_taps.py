@@ -17,7 +17,7 @@ from vllm_envoys import HookArgs
 from vllm_runner.hooks import Hooks
 from vllm_runner.llm import tap_patterns
 from vllm_runner.runtime import tap_locations
-from vllm_runner.taps import flatten, install_tap, rebuild, serve_taps
+from vllm_runner.taps import flatten, install_taps, rebuild, serve_taps
 
 leaves = st.one_of(
     st.integers(1, 4).map(lambda n: torch.arange(float(n))),
@@ -106,7 +106,7 @@ def test_a_compiled_tap_serves_at_run_time_and_its_edits_reach_the_rest(side: st
     server = Server()
     # The output of `first`, or the input of `second` (after the relu): both edited in place.
     module = toy.first if side == "output" else toy.second
-    handle = install_tap(Tapped(module, "place", side))  # type: ignore[arg-type]
+    (handle,) = install_taps([Tapped(module, "place", side)])  # type: ignore[list-item]
     compiled = torch.compile(toy, backend=backend, fullgraph=True, dynamic=True)
     x = torch.randn(3, 4)
     with torch.no_grad():
@@ -167,3 +167,23 @@ def test_taps_that_are_not_patterns_are_refused_before_an_engine_starts(taps: An
     with pytest.raises(ValueError, match="taps="):
         tap_patterns(taps)
     assert tap_patterns("layers.0.layer_output") == ["layers.0.layer_output"]
+
+
+def test_values_at_one_module_side_share_one_op_served_in_order() -> None:
+    # Two ops declaring they mutate the same tensors one after the other corrupt strided
+    # views under the compiler (NaN logits, seen with keys and values of one attention layer):
+    # every tapped value at one module side is served by one op, in the order given.
+    toy = Toy()
+    server = Server()
+    handles = install_taps([Tapped(toy.first, "a", "output"), Tapped(toy.second, "c", "input"),
+                            Tapped(toy.first, "b", "output")])  # type: ignore[list-item]
+    assert len(handles) == 2
+    serve_taps(server)
+    try:
+        with torch.no_grad():
+            toy(torch.randn(2, 4))
+    finally:
+        serve_taps(None)
+        for handle in handles:
+            handle.remove()
+    assert [location for location, _ in server.seen] == ["a", "b", "c"]

