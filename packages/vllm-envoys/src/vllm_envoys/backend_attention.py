@@ -29,10 +29,13 @@ VLLM_ATTENTION_FUNCTION = "vllm"
 VLLM_ATTENTION_LAYER = "attn"
 
 
+# The stand-ins keep their one attribute in the instance dict, not in `__slots__`: Dynamo
+# (vLLM compiling the model) resolves a slot through `__getattr__`, which then recursed
+# without end (seen on vLLM 0.32's CPU build with `enforce_eager=False`).
+
+
 class _CalledThroughHooks:
     """A vLLM attention layer whose `forward` is its `__call__` (hooks included)."""
-
-    __slots__ = ("_layer",)
 
     def __init__(self, layer: nn.Module) -> None:
         self._layer = layer
@@ -46,8 +49,6 @@ class _CalledThroughHooks:
 
 class _AttentionModule:
     """A transformers attention module as vLLM's function sees it, `attn` called through hooks."""
-
-    __slots__ = ("_module",)
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
