@@ -23,6 +23,7 @@ decoded programs in step order. The V2 runner's adapter is `vllm_v2_runner`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -194,7 +195,7 @@ def pieces_only(runner: Any) -> Iterator[None]:
         return
     from vllm.config import CUDAGraphMode
 
-    takes_invalid = "invalid_modes" in inspect.signature(dispatch).parameters
+    takes_invalid = _takes_invalid_modes(getattr(dispatch, "__func__", dispatch))
 
     def without_full(*args: Any, **kwargs: Any) -> Any:
         if takes_invalid:
@@ -212,6 +213,13 @@ def pieces_only(runner: Any) -> Iterator[None]:
             del dispatcher.dispatch  # the class's method again
         else:
             dispatcher.dispatch = own
+
+
+@functools.cache
+def _takes_invalid_modes(dispatch: Any) -> bool:
+    """Whether a CUDA-graph dispatcher's `dispatch` takes `invalid_modes` (read once per
+    release, not at every step)."""
+    return "invalid_modes" in inspect.signature(dispatch).parameters
 
 
 def _layer_caches(runner: Any) -> list[torch.Tensor]:
