@@ -89,13 +89,10 @@ class Runtime:
         # only rank 0 keeps saves: the client collects from rank 0.
         self.services = Services(self.store, self.lens, read_mode(reads), keeps_saves=rank == 0)
         self.sharded = ShardedValues(model, fragments or Fragments())
-        #: Locations served from inside the compiled model (`taps`), declared at start-up.
-        self.taps: frozenset[str] = frozenset()
-        self._tap_handles: list[Any] = []
         #: Tap patterns refused at start-up, with the reason (`install_taps`).
         self.refused_taps: dict[str, str] = {}
         self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
-        self.hooks = Hooks(self.values, self._visit, tapped=self.taps)
+        self.hooks = Hooks(self.values, self._visit)
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
         self._resolved: dict[str, list[str]] = {}
         #: Whether vLLM compiled the model: the adapters then run a step with programs
@@ -129,11 +126,16 @@ class Runtime:
         (`tap_locations`): the engine still starts (a program there runs uncompiled), and
         `LLM` reports them."""
         locations, refused = tap_locations(patterns, self.resolve, self.support())
-        self._tap_handles = install_taps([self.values[location] for location in locations])
-        self.taps = frozenset(locations)
-        self.hooks.tapped = self.taps
+        install_taps([self.values[location] for location in locations])
+        self.hooks.tapped = frozenset(locations)
         self.refused_taps = refused
         return refused
+
+    @property
+    def taps(self) -> frozenset[str]:
+        """The locations served from inside the compiled model, declared at start-up (they get
+        no ordinary hook: `Hooks.tapped`)."""
+        return self.hooks.tapped
 
     def wants_tap(self, location: str) -> bool:
         """Whether a request of this step waits at the tapped `location`."""
@@ -149,7 +151,9 @@ class Runtime:
         after the model, on any path). On a compiled engine, each such location is logged
         once, with the way to keep its steps compiled."""
         taps = self.taps
-        untapped = {location for program in programs for op in program.ops
+        # Once per program, not per request: a step's requests mostly share a few programs.
+        distinct = {program.digest: program for program in programs}.values()
+        untapped = {location for program in distinct for op in program.ops
                     for location in self.locations_of(op)
                     if location not in taps and location not in PER_SAMPLED_ROW}
         if self.compiled and (new := untapped - self._logged_untapped):
