@@ -27,7 +27,8 @@ from vllm_runner.compat import V2_VARIABLE
 # The suite's engine settings (conftest `llm`), compiled: the same steps, so the same rows.
 SETTINGS = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
             "max_num_batched_tokens": 8, "block_size": 32, "seed": 0,
-            "kv_cache_memory_bytes": 64 << 20, "enforce_eager": False,
+            "kv_cache_memory_bytes": 64 << 20, "gpu_memory_utilization": 0.15,
+            "enforce_eager": False,
             "skip_tokenizer_init": True}
 GENERATED = 4
 STEER = torch.randn(128, generator=torch.Generator().manual_seed(3))
