@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import LOGPROB_TOLERANCE, same_values, serving
+from conftest import LOGPROB_TOLERANCE, same_values, serving, suite_numerics
 from openai import APIStatusError, BadRequestError, OpenAI
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -41,8 +41,9 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def running_server(model_dir: str, folder: Path, *options: str, bare: bool = False,
                    environment: dict[str, str] | None = None) -> Iterator[str]:
-    """`vllm-interp serve` as a user starts it (the installed command, the user's environment),
-    until the block ends; yields its base URL. `bare`: vLLM's own `serve` with the same
+    """`vllm-interp serve` as a user starts it (the installed command, the user's environment
+    with the suite's numerics, so its values compare with the suite's engine), until the block
+    ends; yields its base URL. `bare`: vLLM's own `serve` with the same
     settings, eager as ours, and neither our worker nor our routes (the oracle)."""
     port = _free_port()
     start = ([sys.executable, "-m", "vllm_runner.serve_main"] if bare else
@@ -55,7 +56,7 @@ def running_server(model_dir: str, folder: Path, *options: str, bare: bool = Fal
                "--gpu-memory-utilization", "0.15",
                *(["--enforce-eager"] if bare else []), *options]
     with serving(command, f"http://127.0.0.1:{port}", folder / f"server-{port}.log",
-                 environment=environment) as base:
+                 environment={**suite_numerics(), **(environment or {})}) as base:
         yield base
 
 
