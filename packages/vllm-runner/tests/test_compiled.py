@@ -88,6 +88,11 @@ run("traced elsewhere", *traced,
 run("steered at a tap", prompts, plain,
     interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0)],
                    [ops.Add("layers.1.layer_output", other_steer, scale=8.0)], []])
+run("steered from the graph after the prompt", prompts, plain,
+    interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0, steps="decode")], [], []])
+run("steered and saved at a tap", prompts, plain,
+    interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0),
+                    ops.Save("layers.*.layer_output")], [], []])
 run("steered elsewhere", prompts, plain,
     interventions=[[ops.Add("layers.1.attention_output", steer, scale=8.0)], [], []])
 
@@ -158,7 +163,8 @@ def test_a_tap_that_names_nothing_is_refused_by_name(ours) -> None:
 def test_requests_without_programs_run_compiled_and_equal_a_bare_compiled_engine(
         ours, bare) -> None:
     plain = ours["plain"]
-    assert plain["forwards"] == {"compiled": plain["forwards"]["compiled"], "taps": 0, "eager": 0}
+    assert plain["forwards"] == {"compiled": plain["forwards"]["compiled"], "taps": 0,
+                                 "in_graph": 0, "eager": 0}
     assert plain["forwards"]["compiled"] > 0
     as_the_bare_engine(plain["outputs"], bare["plain"])
 
@@ -205,14 +211,14 @@ def check_traced(run: dict[str, Any], llm, reference, program: list[ops.Op]) -> 
 def test_a_request_traced_at_taps_runs_compiled_and_equals_transformers(
         ours, llm, reference) -> None:
     traced = ours["traced at taps"]
-    assert traced["forwards"] == {"compiled": 4, "taps": 2, "eager": 0}
+    assert traced["forwards"] == {"compiled": 4, "taps": 2, "in_graph": 0, "eager": 0}
     check_traced(traced, llm, reference, PROGRAM)
 
 
 def test_a_request_traced_beside_a_tap_runs_eager_on_exactly_its_steps(
         ours, llm, reference) -> None:
     traced = ours["traced elsewhere"]
-    assert traced["forwards"] == {"compiled": 4, "taps": 0, "eager": 2}
+    assert traced["forwards"] == {"compiled": 4, "taps": 0, "in_graph": 0, "eager": 2}
     check_traced(traced, llm, reference, [ops.Save("layers.1.attention_output"), *PROGRAM])
 
 
@@ -235,21 +241,62 @@ def plain_beside_steered(others: list[dict[str, Any]], expected: list[dict[str, 
             assert all(abs(mine[t] - wanted[t]) <= LOGPROB_TOLERANCE for t in mine)
 
 
-def test_two_requests_steered_at_a_tap_in_one_step_each_get_their_own_vector(
+def steered_on_the_eager_engine(llm, programs: list[list[ops.Op]]) -> list[Any]:
+    """The suite's eager engine (hooks, no graph) running `programs` on the three prompts."""
+    return llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
+                        SamplingParams(max_tokens=GENERATED, temperature=0.0, logprobs=2),
+                        interventions=programs, use_tqdm=False)
+
+
+def as_the_eager_engine(mine: dict[str, Any], theirs: Any) -> None:
+    """A steered request of the compiled engine against the eager engine's: the same tokens,
+    log-probabilities to the last bits (inductor's kernels round differently)."""
+    assert mine["error"] is None
+    assert mine["tokens"] == list(theirs.outputs[0].token_ids)
+    for step, wanted in zip(mine["logprobs"], theirs.outputs[0].logprobs, strict=True):
+        assert step.keys() == wanted.keys()
+        assert all(abs(step[t] - wanted[t].logprob) <= LOGPROB_TOLERANCE for t in step)
+
+
+def test_two_requests_steered_at_a_tap_in_one_step_each_get_their_own_vector_in_the_graph(
         ours, bare, llm) -> None:
+    # Tier 3: both `Add`s run from the tap's buffers, no step runs the tap's Python.
     steered = ours["steered at a tap"]
-    assert steered["forwards"]["eager"] == 0 and steered["forwards"]["taps"] > 0
+    assert steered["forwards"]["eager"] == steered["forwards"]["taps"] == 0
+    assert steered["forwards"]["in_graph"] > 0
     first, second, plain = steered["outputs"]
-    eager = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
-                         SamplingParams(max_tokens=GENERATED, temperature=0.0), interventions=[
-                             [ops.Add("layers.1.layer_output", STEER, scale=8.0)],
-                             [ops.Add("layers.1.layer_output", OTHER_STEER, scale=8.0)], []],
-                         use_tqdm=False)
+    eager = steered_on_the_eager_engine(llm, [
+        [ops.Add("layers.1.layer_output", STEER, scale=8.0)],
+        [ops.Add("layers.1.layer_output", OTHER_STEER, scale=8.0)], []])
     for mine, theirs, unsteered in zip((first, second), eager, bare["plain"], strict=False):
-        assert mine["error"] is None
-        assert mine["tokens"] == list(theirs.outputs[0].token_ids)
+        as_the_eager_engine(mine, theirs)
         assert mine["tokens"] != unsteered["tokens"]
+    assert first["tokens"] != second["tokens"]
     plain_beside_steered([plain], bare["plain"][2:])
+
+
+def test_steering_from_the_graph_keeps_to_the_positions_its_add_names(ours, bare, llm) -> None:
+    run = ours["steered from the graph after the prompt"]
+    assert run["forwards"]["eager"] == run["forwards"]["taps"] == 0 < run["forwards"]["in_graph"]
+    eager = steered_on_the_eager_engine(llm, [
+        [ops.Add("layers.1.layer_output", STEER, scale=8.0, steps="decode")], [], []])
+    as_the_eager_engine(run["outputs"][0], eager[0])
+    # Not added to the prompt: the first token is the unsteered one.
+    assert run["outputs"][0]["tokens"][0] == bare["plain"][0]["tokens"][0]
+    plain_beside_steered(run["outputs"][1:], bare["plain"][1:])
+
+
+def test_steering_beside_a_save_at_its_tap_runs_in_the_taps_python(ours, llm) -> None:
+    # Tier 2: a save at the same tap needs the op's Python; the `Add` is served there too.
+    run = ours["steered and saved at a tap"]
+    assert run["forwards"]["eager"] == run["forwards"]["in_graph"] == 0 < run["forwards"]["taps"]
+    program = [ops.Add("layers.1.layer_output", STEER, scale=8.0),
+               ops.Save("layers.*.layer_output")]
+    eager = steered_on_the_eager_engine(llm, [program, [], []])
+    mine = run["outputs"][0]
+    as_the_eager_engine(mine, eager[0])
+    for location, value in mine["saved"].items():
+        close(value, eager[0].saved[location], f"{location} against the eager engine")
 
 
 def test_steering_elsewhere_on_a_compiled_engine_changes_only_its_own_request(

@@ -1,5 +1,6 @@
 """Preemption: with a KV cache too small for every request, vLLM preempts and recomputes from
-position 0; saves stay complete, free of duplicates and equal to transformers'."""
+position 0; saves stay complete, free of duplicates and equal to transformers', and steering
+from a compiled graph's buffers (issue [K]) steers the recomputed positions as the first ones."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import subprocess
 import sys
 
 import torch
+from test_add import steered_greedy
+from vllm_runner.compat import V2_VARIABLE
 
 SCRIPT = """
 import json, sys
+import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -31,12 +35,22 @@ Scheduler._preempt_request = counting
 if __name__ == "__main__":
     # 4 blocks of 32 tokens (vLLM can use 3): three 30-token prompts take one block each, then
     # each needs a second block while decoding, and there is none: vLLM preempts.
+    steered = len(sys.argv) > 3  # compiled, steering from the tap's buffers
+    compiled = {"enforce_eager": False, "taps": ["layers.1.layer_output"]} if steered else {}
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32",
               gpu_memory_utilization=0.15, max_model_len=96, block_size=32,
-              num_gpu_blocks_override=4, enable_prefix_caching=False, seed=0)
+              num_gpu_blocks_override=4, enable_prefix_caching=False, seed=0, **compiled)
     prompts = json.loads(sys.argv[2])
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           SamplingParams(max_tokens=16, temperature=0.0),
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    if steered:
+        add = [ops.Add("layers.1.layer_output", torch.tensor(json.loads(sys.argv[3])))]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               interventions=[add, [], add], use_tqdm=False)
+        print("RESULT", json.dumps({"preempted": len(PREEMPTED), "forwards": llm.forwards(),
+                                    "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                                    "errors": [o.error for o in outputs]}))
+        sys.exit(0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                            interventions=[ops.Save("layers.1.layer_output")], use_tqdm=False)
     print("RESULT", json.dumps({"preempted": len(PREEMPTED), "outputs": [
         {"tokens": list(o.outputs[0].token_ids), "error": o.error,
@@ -45,16 +59,38 @@ if __name__ == "__main__":
 """
 
 
-def test_saves_survive_preemption(model_dir: str, reference) -> None:
-    prompts = [[(11 * i + 7 * r) % 256 for i in range(30)] for r in range(3)]
+PROMPTS = [[(11 * i + 7 * r) % 256 for i in range(30)] for r in range(3)]
+
+
+def preempted_run(model_dir: str, *extra: str, environment: dict[str, str] | None = None) -> dict:
+    """The script's result; it must have preempted."""
     completed = subprocess.run(
-        [sys.executable, "-c", SCRIPT, model_dir, json.dumps(prompts)],
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, capture_output=True,
-        text=True, timeout=300)
+        [sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), *extra],
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(environment or {})},
+        capture_output=True, text=True, timeout=900)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"the run failed:\n{completed.stderr[-3000:]}"
     result = json.loads(lines[0].removeprefix("RESULT "))
     assert result["preempted"] > 0, "the KV cache was large enough: nothing was preempted"
+    return result
+
+
+def test_steering_from_a_compiled_graph_survives_preemption(model_dir: str, reference) -> None:
+    # On V1 (a GPU's default runner, V2, refuses compiled engines so far).
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 3.0
+    result = preempted_run(model_dir, json.dumps(vector.tolist()), environment={V2_VARIABLE: "0"})
+    forwards = result["forwards"]
+    assert forwards["eager"] == forwards["taps"] == 0 < forwards["in_graph"], forwards
+    for index, (prompt, tokens, error) in enumerate(
+            zip(PROMPTS, result["tokens"], result["errors"], strict=True)):
+        assert error is None
+        edit = vector if index != 1 else None
+        assert tokens == steered_greedy(reference, prompt, 16, edit), f"request {index}"
+
+
+def test_saves_survive_preemption(model_dir: str, reference) -> None:
+    prompts = PROMPTS
+    result = preempted_run(model_dir)
     for prompt, output in zip(prompts, result["outputs"], strict=True):
         assert output["error"] is None
         sequence = prompt + output["tokens"][:-1]

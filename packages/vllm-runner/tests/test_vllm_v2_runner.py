@@ -22,7 +22,7 @@ class FakeRuntime:
         self.editing = editing
         self.steps: list[tuple] = []
         self.ended = 0
-        self.forwards = {"compiled": 0, "taps": 0, "eager": 0}
+        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0}
 
     def count_forward(self, compiled: bool, programs: bool) -> None:
         self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
@@ -163,7 +163,7 @@ def test_the_step_ends_only_after_a_real_batch_was_prepared() -> None:
     made.execute_model(step)
     assert made.interp.ended == 1 and len(made.interp.steps) == 1  # type: ignore[attr-defined]
     # Counted once, as eager: the V2 adapter runs no compiled forward.
-    assert made.interp.forwards == {"compiled": 0, "taps": 0, "eager": 1}  # type: ignore[attr-defined]
+    assert made.interp.forwards == {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 1}  # type: ignore[attr-defined]
 
 
 def test_the_v2_runner_of_the_installed_vllm_has_every_method_the_adapter_wraps() -> None:

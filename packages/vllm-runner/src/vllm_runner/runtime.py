@@ -34,6 +34,7 @@ from vllm_runner.step_plan import (
     plan_step,
 )
 from vllm_runner.store import Keep, SaveStore, ToCollect
+from vllm_runner.tap_steering import InGraphSteering, SteerRows, in_graph_ops, steered_rows
 from vllm_runner.taps import install_taps, serve_taps
 
 logger = logging.getLogger("vllm.interp")
@@ -93,6 +94,9 @@ class Runtime:
         self.refused_taps: dict[str, str] = {}
         self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
         self.hooks = Hooks(self.values, self._visit)
+        #: Tapped values whose `Add`s run inside the compiled model (`tap_steering`).
+        self.steers: dict[str, SteerRows] = {}
+        self._steering = InGraphSteering(model, hf_config)
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
         self._resolved: dict[str, list[str]] = {}
         #: Whether vLLM compiled the model: the adapters then run a step with programs
@@ -100,11 +104,15 @@ class Runtime:
         self.compiled = False
         #: Forwards run so far, by how: vLLM's compiled path with no program, the compiled
         #: path serving programs through their taps, or the plain module tree.
-        self.forwards = {"compiled": 0, "taps": 0, "eager": 0}
+        #: `in_graph`: the compiled path, with every program's work inside the graph (steering
+        #: from buffers, no tap's Python).
+        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0}
         self._tokens = self._sampled = NO_VISITS
         self._visited: set[str] = set()  # token-row locations whose hook ran this forward
         self._guard_logits = False
         self._edited_in_step = False  # a scheduled request's program edits (`program`)
+        self._steered_in_graph = False  # this step's `Add`s ran from the steering buffers
+        self._in_graph_known: dict[tuple[str, str], bool] = {}  # (digest, location)
         # Requests whose programs were checked against their prompt (at their first step).
         self._checked: set[str] = set()
 
@@ -120,16 +128,29 @@ class Runtime:
         """The canonical locations an op acts at."""
         return [location for pattern in op.patterns() for location in self.resolve(pattern)]
 
-    def install_taps(self, patterns: Sequence[str]) -> dict[str, str]:
+    def install_taps(self, patterns: Sequence[str], rows: int = 0,
+                     slots: int = 0) -> dict[str, str]:
         """Serve the locations `patterns` name from inside the compiled model (`taps`); called
         once, before vLLM compiles it. Returns the patterns refused, with the reasons
         (`tap_locations`): the engine still starts (a program there runs uncompiled), and
-        `LLM` reports them."""
+        `LLM` reports them. With `rows` (the most one forward runs) and `slots` (the most
+        requests one step holds), `Add`s at steerable taps run in the graph (`steers`)."""
         locations, refused = tap_locations(patterns, self.resolve, self.support())
-        install_taps([self.values[location] for location in locations])
+        if rows and slots:
+            self.steers = self._steering.buffers(
+                [self.values[location] for location in locations if self._whole(location)],
+                rows, slots)
+        install_taps([self.values[location] for location in locations], self.steers)
         self.hooks.tapped = frozenset(locations)
         self.refused_taps = refused
         return refused
+
+    def _whole(self, location: str) -> bool:
+        """Whether the value at `location` is whole on every rank (tensor parallelism)."""
+        try:
+            return self.sharded.keys(self.values[location]) is None
+        except NotImplementedError:
+            return False
 
     @property
     def taps(self) -> frozenset[str]:
@@ -221,15 +242,45 @@ class Runtime:
     # ------------------------------------------------------------------ per step
 
     def count_forward(self, compiled: bool, programs: bool) -> None:
-        """Count one real forward (`forwards`), by whether it ran vLLM's compiled path and, if
-        it did, whether its taps served programs."""
-        self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
+        """Count one real forward (`forwards`), after `begin_step`: by whether it ran vLLM's
+        compiled path and, if it did, whether its programs were served by the taps' Python or
+        inside the graph alone."""
+        in_graph = self._steered_in_graph and not self._tokens.wants
+        self.forwards["eager" if not compiled else "compiled" if not programs else
+                      "in_graph" if in_graph else "taps"] += 1
+
+    def needs_tap_python(self, programs: Sequence[Program]) -> bool:
+        """Whether a step running `programs` has work at a tap that runs in the tap's Python
+        (a full CUDA graph would replay its kernels without it): any op there but an `Add` the
+        graph serves (`tap_steering`)."""
+        taps = self.taps
+        return any(location in taps and not self._in_graph(program, location)
+                   for program in {program.digest: program for program in programs}.values()
+                   for op in program.ops for location in self.locations_of(op))
+
+    def needs_tap_python_for(self, data: Sequence[ProgramData]) -> bool:
+        """`needs_tap_python` for programs as they travel; one that does not decode needs it."""
+        try:
+            return self.needs_tap_python([self.programs.get(one) for one in data])
+        except Exception:
+            return True
+
+    def _in_graph(self, program: Program, location: str) -> bool:
+        """Whether all of `program`'s ops at `location` run inside the graph (cached)."""
+        key = (program.digest, location)
+        known = self._in_graph_known.get(key)
+        if known is None:
+            steer = self.steers.get(location)
+            known = self._in_graph_known[key] = steer is not None and in_graph_ops(
+                [op for op in program.ops if location in self.locations_of(op)], steer.width)
+        return known
 
     def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> None:
         """Plan the step and hook what its programs want (nothing, for a step without any)."""
         self.store.spill(self.device_saves_limit)  # the last step's saves are all made
         plan = plan_step(layout, requests, self.locations_of)
         self._tokens, self._sampled = plan.tokens, plan.sampled
+        self._steered_in_graph = bool(self.steers) and self._steer_in_graph(plan.tokens)
         # A step with edits gets the sampler's hook whatever its programs read: see
         # `keep_logits_finite`.
         self._guard_logits, self._edited_in_step = self._edited_in_step, False
@@ -247,9 +298,27 @@ class Runtime:
                     self.store.fail(want.program_id, never_ran(location))
         if self.taps:
             serve_taps(None)
+        for steer in self.steers.values():
+            steer.clear()
         self._visited.clear()
         self._tokens = NO_VISITS
         self.services.skipped.clear()
+
+    def _steer_in_graph(self, tokens: Visits) -> bool:
+        """Fill the steering buffers of each tap whose waiting requests all `Add` there in the
+        graph, and take those locations off the taps' Python; whether any was."""
+        steered = False
+        for location, steer in self.steers.items():
+            groups = tokens.wants.get(location)
+            if not groups or not all(
+                    (program := self.programs.known(want.program_id)) is not None
+                    and self._in_graph(program, location)
+                    for members in groups for want in members):
+                continue
+            steer.fill(steered_rows(self.values[location], groups, self.store.failed))
+            del tokens.wants[location]
+            steered = True
+        return steered
 
     def _visit(self, location: str, value: Value, raw: Any) -> None:
         """Serve the step's requests at one hook visit; a sharded value is made whole first."""

@@ -35,7 +35,11 @@ def install_taps(runtime: Runtime, vllm_config: Any) -> None:
     patterns = (vllm_config.additional_config or {}).get(TAPS_KEY) or []
     if not patterns:
         return
-    for pattern, reason in runtime.install_taps(patterns).items():
+    scheduler = vllm_config.scheduler_config
+    # The most rows one forward runs: a step's tokens, or a CUDA graph's padded batch.
+    rows = max(scheduler.max_num_batched_tokens,
+               max(vllm_config.compilation_config.cudagraph_capture_sizes or [0]))
+    for pattern, reason in runtime.install_taps(patterns, rows, scheduler.max_num_seqs).items():
         logger.warning("vllm-runner: tap %r refused: %s", pattern, reason)
     compilation = vllm_config.compilation_config
     if compilation.splitting_ops is not None and TAP_OP not in compilation.splitting_ops:

@@ -22,7 +22,7 @@ now (`serve_taps`), so one process may hold several engines.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any, Protocol
 
@@ -36,6 +36,12 @@ TAP_OP = "vllm_interp::tap"
 
 _library = torch.library.Library("vllm_interp", "FRAGMENT")
 _library.define("tap(Tensor(a!)[] tensors, str key) -> ()")
+
+
+class Steer(Protocol):
+    """In-graph work a tap's hook runs before its op (`tap_steering.SteerRows`)."""
+
+    def apply(self, module: nn.Module, raw: Any) -> None: ...
 
 
 class TapServer(Protocol):
@@ -156,7 +162,8 @@ def _rebuild(structure: str, at: int, tensors: Any) -> tuple[Any, int]:
 # ------------------------------------------------------------------ installing
 
 
-def install_taps(values: list[Value]) -> list[RemovableHandle]:
+def install_taps(values: list[Value], steers: Mapping[str, Steer] | None = None
+                 ) -> list[RemovableHandle]:
     """Hook each module side the `values` sit at with the tap op (before vLLM compiles the
     model: a hook added after Dynamo's one trace is never seen), one op for all the values at
     one module side, served in the order given.
@@ -166,24 +173,34 @@ def install_taps(values: list[Value]) -> list[RemovableHandle]:
     value rows, a slice of the fused projection) from a copy of its base, and torch 2.13 got
     that wrong — taps at a layer's keys and values gave NaN logits to every request (seen on
     2026-12-02). The hooks run in eager forwards too, so a tapped location is served by its
-    tap alone, never by a second, ordinary hook."""
+    tap alone, never by a second, ordinary hook.
+
+    `steers` (by location) add their rows' vectors in the graph before the op runs
+    (`tap_steering`)."""
     groups: dict[tuple[int, str], list[Value]] = {}
     for value in values:
         groups.setdefault((id(value.module), value.side), []).append(value)
-    return [_install(members) for members in groups.values()]
+    return [_install(members, [steer for value in members
+                               if (steer := (steers or {}).get(value.location)) is not None])
+            for members in groups.values()]
 
 
-def _install(values: list[Value]) -> RemovableHandle:
+def _install(values: list[Value], steers: list[Steer]) -> RemovableHandle:
     key_start = ";".join(value.location for value in values) + "|"
     tap: Callable[..., None] = torch.ops.vllm_interp.tap
     module = values[0].module
     if values[0].side == "input":
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            tensors, structure = flatten(HookArgs(args, kwargs))
+            raw = HookArgs(args, kwargs)
+            for steer in steers:
+                steer.apply(module, raw)
+            tensors, structure = flatten(raw)
             tap(tensors, key_start + structure)
         return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        for steer in steers:
+            steer.apply(module, output)
         tensors, structure = flatten(output)
         tap(tensors, key_start + structure)
     return module.register_forward_hook(hook)

@@ -148,14 +148,18 @@ class RunnerMixin:
     def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's choice of CUDA graph for the step; none where a request's program acts at a
         location no tap serves (its hooks would not run in a replay), and no full graph where
-        programs act at taps alone (a full graph replays the taps' kernels, not their Python;
-        the piecewise graphs run the tap op between their pieces)."""
+        programs need a tap's Python (a full graph replays the taps' kernels, not their Python;
+        the piecewise graphs run the tap op between their pieces). Steering the graph serves
+        from its buffers (`tap_steering`) leaves vLLM's choice as it is."""
         count = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
         if not self.interp.compiled or not (programs := programs_of(self, count)):
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
         if self.interp.needs_module_tree_for(programs):
             kwargs["force_eager"] = True
+            return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
+                *args, **kwargs)
+        if not self.interp.needs_tap_python_for(programs):  # all in the graph (`tap_steering`)
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
         with pieces_only(self):
@@ -170,10 +174,10 @@ class RunnerMixin:
         if scheduled and self.interp.compiled and self.interp.needs_module_tree(
                 [request.program for request in scheduled]):
             context.skip_compiled = True
+        self.interp.begin_step(layout, scheduled)
         # Counted by what runs, not by what was asked for: a test breaks the switch on purpose.
         self.interp.count_forward(compiled=self.interp_compiles and not context.skip_compiled,
                                   programs=bool(scheduled))
-        self.interp.begin_step(layout, scheduled)
         try:
             return super()._model_forward(  # type: ignore[misc]
                 input_ids=input_ids, positions=positions,

@@ -134,9 +134,9 @@ class RunnerV2Mixin:
         releases: everything passes through)."""
         batch = super().prepare_inputs(*args, **kwargs)  # type: ignore[misc]
         layout, scheduled = scheduled_step(self.interp, self.interp_programs, batch)
+        self.interp.begin_step(layout, scheduled)
         # V2 runs eager only (`runner_attach`)
         self.interp.count_forward(compiled=False, programs=bool(scheduled))
-        self.interp.begin_step(layout, scheduled)
         self.interp_in_step = True
         return batch
 
