@@ -90,9 +90,15 @@ run("steered at a tap", prompts, plain,
                    [ops.Add("layers.1.layer_output", other_steer, scale=8.0)], []])
 run("steered from the graph after the prompt", prompts, plain,
     interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0, steps="decode")], [], []])
-run("steered and saved at a tap", prompts, plain,
+run("saved in the graph beside steering", prompts, plain,
+    interventions=[[ops.Save("layers.*.layer_output")],
+                   [ops.Add("layers.1.layer_output", other_steer, scale=8.0)], []])
+run("steered then saved in the graph", prompts, plain,
     interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0),
                     ops.Save("layers.*.layer_output")], [], []])
+run("saved then steered at a tap", prompts, plain,
+    interventions=[[ops.Save("layers.*.layer_output"),
+                    ops.Add("layers.1.layer_output", steer, scale=8.0)], [], []])
 run("steered elsewhere", prompts, plain,
     interventions=[[ops.Add("layers.1.attention_output", steer, scale=8.0)], [], []])
 
@@ -286,15 +292,41 @@ def test_steering_from_the_graph_keeps_to_the_positions_its_add_names(ours, bare
     plain_beside_steered(run["outputs"][1:], bare["plain"][1:])
 
 
-def test_steering_beside_a_save_at_its_tap_runs_in_the_taps_python(ours, llm) -> None:
-    # Tier 2: a save at the same tap needs the op's Python; the `Add` is served there too.
-    run = ours["steered and saved at a tap"]
-    assert run["forwards"]["eager"] == run["forwards"]["in_graph"] == 0 < run["forwards"]["taps"]
-    program = [ops.Add("layers.1.layer_output", STEER, scale=8.0),
-               ops.Save("layers.*.layer_output")]
+def test_saves_from_the_graph_equal_transformers_beside_steering_from_it(
+        ours, llm, reference) -> None:
+    run = ours["saved in the graph beside steering"]
+    assert run["forwards"]["eager"] == run["forwards"]["taps"] == 0 < run["forwards"]["in_graph"]
+    saving = run["outputs"][0]
+    assert saving["error"] is None
+    expected = transformers_values(reference, PROMPTS[0] + saving["tokens"][:-1])
+    assert len(saving["saved"]) == 3
+    for location, value in saving["saved"].items():
+        close(value, expected[location], location)
+    eager = steered_on_the_eager_engine(llm, [
+        [ops.Save("layers.*.layer_output")],
+        [ops.Add("layers.1.layer_output", OTHER_STEER, scale=8.0)], []])
+    for mine, theirs in zip(run["outputs"], eager, strict=True):
+        as_the_eager_engine(mine, theirs)
+    for location, value in saving["saved"].items():
+        close(value, eager[0].saved[location], f"{location} against the eager engine")
+
+
+@pytest.mark.parametrize(("name", "path"), [("steered then saved in the graph", "in_graph"),
+                                            ("saved then steered at a tap", "taps")])
+def test_a_save_beside_steering_at_one_tap_sees_what_its_order_says(
+        ours, llm, name: str, path: str) -> None:
+    # A `Save` after the `Add` is served in the graph (the copy follows the steering); one
+    # before it needs the tap's Python, which serves the program's ops in order.
+    run = ours[name]
+    other = "taps" if path == "in_graph" else "in_graph"
+    assert run["forwards"]["eager"] == run["forwards"][other] == 0 < run["forwards"][path]
+    steer = ops.Add("layers.1.layer_output", STEER, scale=8.0)
+    save = ops.Save("layers.*.layer_output")
+    program = [steer, save] if path == "in_graph" else [save, steer]
     eager = steered_on_the_eager_engine(llm, [program, [], []])
     mine = run["outputs"][0]
     as_the_eager_engine(mine, eager[0])
+    assert mine["saved"].keys() == eager[0].saved.keys()
     for location, value in mine["saved"].items():
         close(value, eager[0].saved[location], f"{location} against the eager engine")
 

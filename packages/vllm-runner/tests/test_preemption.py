@@ -44,6 +44,7 @@ if __name__ == "__main__":
     params = SamplingParams(max_tokens=16, temperature=0.0)
     if steered:
         add = [ops.Add("layers.1.layer_output", torch.tensor(json.loads(sys.argv[3])))]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # 16 each
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                interventions=[add, [], add], use_tqdm=False)
         print("RESULT", json.dumps({"preempted": len(PREEMPTED), "forwards": llm.forwards(),

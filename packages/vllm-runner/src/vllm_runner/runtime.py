@@ -20,11 +20,12 @@ from vllm_envoys import Value, standardize
 
 from vllm_runner.errors import LocationError
 from vllm_runner.hooks import SAMPLER_HOOK, Hooks
+from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
 from vllm_runner.ops import Op
 from vllm_runner.program import Program, ProgramCache, ProgramData
-from vllm_runner.serving import Services, Visits, serve
+from vllm_runner.serving import OpGroup, Services, Visits, serve
 from vllm_runner.settings import read_mode
 from vllm_runner.sharded import ShardedValues
 from vllm_runner.step_plan import (
@@ -34,7 +35,7 @@ from vllm_runner.step_plan import (
     plan_step,
 )
 from vllm_runner.store import Keep, SaveStore, ToCollect
-from vllm_runner.tap_steering import InGraphSteering, SteerRows, in_graph_ops, steered_rows
+from vllm_runner.tap_steering import steered_rows
 from vllm_runner.taps import install_taps, serve_taps
 
 logger = logging.getLogger("vllm.interp")
@@ -94,9 +95,9 @@ class Runtime:
         self.refused_taps: dict[str, str] = {}
         self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
         self.hooks = Hooks(self.values, self._visit)
-        #: Tapped values whose `Add`s run inside the compiled model (`tap_steering`).
-        self.steers: dict[str, SteerRows] = {}
-        self._steering = InGraphSteering(model, hf_config)
+        #: Tapped values whose `Add`s and `Save`s run inside the compiled model (`in_graph`).
+        self.in_graph: dict[str, InGraphRows] = {}
+        self._buffers = InGraphBuffers(model, hf_config)
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
         self._resolved: dict[str, list[str]] = {}
         #: Whether vLLM compiled the model: the adapters then run a step with programs
@@ -105,13 +106,14 @@ class Runtime:
         #: Forwards run so far, by how: vLLM's compiled path with no program, the compiled
         #: path serving programs through their taps, or the plain module tree.
         #: `in_graph`: the compiled path, with every program's work inside the graph (steering
-        #: from buffers, no tap's Python).
+        #: and saves from buffers, no tap's Python).
         self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0}
         self._tokens = self._sampled = NO_VISITS
         self._visited: set[str] = set()  # token-row locations whose hook ran this forward
         self._guard_logits = False
         self._edited_in_step = False  # a scheduled request's program edits (`program`)
-        self._steered_in_graph = False  # this step's `Add`s ran from the steering buffers
+        self._served_in_graph = False  # this step's programs were served from buffers
+        self._saves_in_graph: list[tuple[str, list[OpGroup]]] = []  # taken after the forward
         self._in_graph_known: dict[tuple[str, str], bool] = {}  # (digest, location)
         # Requests whose programs were checked against their prompt (at their first step).
         self._checked: set[str] = set()
@@ -134,13 +136,18 @@ class Runtime:
         once, before vLLM compiles it. Returns the patterns refused, with the reasons
         (`tap_locations`): the engine still starts (a program there runs uncompiled), and
         `LLM` reports them. With `rows` (the most one forward runs) and `slots` (the most
-        requests one step holds), `Add`s at steerable taps run in the graph (`steers`)."""
+        requests one step holds), `Add`s and `Save`s at taps of residual-width values run in
+        the graph (`in_graph`)."""
         locations, refused = tap_locations(patterns, self.resolve, self.support())
         if rows and slots:
-            self.steers = self._steering.buffers(
+            self.in_graph = self._buffers.buffers(
                 [self.values[location] for location in locations if self._whole(location)],
                 rows, slots)
-        install_taps([self.values[location] for location in locations], self.steers)
+            if self.in_graph:
+                logger.info("vllm-runner: %d taps serve Add and Save inside the graph, with "
+                            "%.1f MiB of buffers", len(self.in_graph), len(self.in_graph) *
+                            self._buffers.bytes_per_value(rows, slots) / 2**20)
+        install_taps([self.values[location] for location in locations], self.in_graph)
         self.hooks.tapped = frozenset(locations)
         self.refused_taps = refused
         return refused
@@ -245,14 +252,14 @@ class Runtime:
         """Count one real forward (`forwards`), after `begin_step`: by whether it ran vLLM's
         compiled path and, if it did, whether its programs were served by the taps' Python or
         inside the graph alone."""
-        in_graph = self._steered_in_graph and not self._tokens.wants
+        in_graph = self._served_in_graph and not self._tokens.wants
         self.forwards["eager" if not compiled else "compiled" if not programs else
                       "in_graph" if in_graph else "taps"] += 1
 
     def needs_tap_python(self, programs: Sequence[Program]) -> bool:
         """Whether a step running `programs` has work at a tap that runs in the tap's Python
         (a full CUDA graph would replay its kernels without it): any op there but an `Add` the
-        graph serves (`tap_steering`)."""
+        graph serves (`in_graph`)."""
         taps = self.taps
         return any(location in taps and not self._in_graph(program, location)
                    for program in {program.digest: program for program in programs}.values()
@@ -270,9 +277,9 @@ class Runtime:
         key = (program.digest, location)
         known = self._in_graph_known.get(key)
         if known is None:
-            steer = self.steers.get(location)
-            known = self._in_graph_known[key] = steer is not None and in_graph_ops(
-                [op for op in program.ops if location in self.locations_of(op)], steer.width)
+            rows = self.in_graph.get(location)
+            known = self._in_graph_known[key] = rows is not None and in_graph_ops(
+                [op for op in program.ops if location in self.locations_of(op)], rows.width)
         return known
 
     def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> None:
@@ -280,7 +287,7 @@ class Runtime:
         self.store.spill(self.device_saves_limit)  # the last step's saves are all made
         plan = plan_step(layout, requests, self.locations_of)
         self._tokens, self._sampled = plan.tokens, plan.sampled
-        self._steered_in_graph = bool(self.steers) and self._steer_in_graph(plan.tokens)
+        self._served_in_graph = bool(self.in_graph) and self._serve_in_graph(plan.tokens)
         # A step with edits gets the sampler's hook whatever its programs read: see
         # `keep_logits_finite`.
         self._guard_logits, self._edited_in_step = self._edited_in_step, False
@@ -298,27 +305,39 @@ class Runtime:
                     self.store.fail(want.program_id, never_ran(location))
         if self.taps:
             serve_taps(None)
-        for steer in self.steers.values():
-            steer.clear()
+        self._take_saves_in_graph()
         self._visited.clear()
         self._tokens = NO_VISITS
         self.services.skipped.clear()
 
-    def _steer_in_graph(self, tokens: Visits) -> bool:
-        """Fill the steering buffers of each tap whose waiting requests all `Add` there in the
-        graph, and take those locations off the taps' Python; whether any was."""
-        steered = False
-        for location, steer in self.steers.items():
+    def _serve_in_graph(self, tokens: Visits) -> bool:
+        """Fill the steering buffers of each tap whose waiting programs can all be served in
+        the graph (`in_graph`) and take those locations off the taps' Python (their saves are
+        taken after the forward); whether any was."""
+        served = False
+        for location, rows in self.in_graph.items():
             groups = tokens.wants.get(location)
             if not groups or not all(
                     (program := self.programs.known(want.program_id)) is not None
                     and self._in_graph(program, location)
                     for members in groups for want in members):
                 continue
-            steer.fill(steered_rows(self.values[location], groups, self.store.failed))
+            if steered := steered_rows(self.values[location], groups, self.store.failed):
+                rows.steer.fill(steered)
+            self._saves_in_graph.append((location, groups))
             del tokens.wants[location]
-            steered = True
-        return steered
+            served = True
+        return served
+
+    def _take_saves_in_graph(self) -> None:
+        """After the forward: the saving requests' rows from the rings (on rank 0, which keeps
+        saves), and no more steering."""
+        for location, groups in self._saves_in_graph:
+            rows = self.in_graph[location]
+            if self.services.keeps_saves:
+                rows.saves.take(groups, self.store.failed, self.values[location], self.store)
+            rows.steer.clear()
+        self._saves_in_graph.clear()
 
     def _visit(self, location: str, value: Value, raw: Any) -> None:
         """Serve the step's requests at one hook visit; a sharded value is made whole first."""

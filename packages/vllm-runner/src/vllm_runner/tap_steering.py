@@ -1,4 +1,5 @@
-"""Steering inside the compiled model: `Add` at a tap from buffers the runtime fills (tier 3).
+"""Steering inside the compiled model: `Add` at a tap from buffers the runtime fills (tier 3;
+which ops and values are served this way: `in_graph`).
 
 A tap's op runs Python at every forward (`taps`); on a GPU its piecewise graphs split around it,
 and a step whose programs act there cannot replay a full CUDA graph. An `Add` needs no Python in
@@ -10,10 +11,9 @@ own inputs (never as constants it could fold) and a CUDA graph reads them where 
 runtime rewrites their contents before each forward that steers there (`SteerRows.fill`) and
 zeroes them after, so a step that does not steer adds zeros.
 
-Served this way: a residual-width value (`[tokens, hidden]` rows, or vLLM's two stream halves,
-whose sum the `Add` reaches through the first) that is whole on every rank, and programs with at
-most one filtered `Add` per location (several unfiltered ones are summed into one vector). Any
-other op at a tap is served by the tap's Python, as before.
+A row gets one vector: several unfiltered `Add`s of a request at one location are summed into
+one (`steered_rows`); vLLM's two stream halves are steered through the first, since the stream
+is their sum.
 """
 
 from __future__ import annotations
@@ -25,39 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 from vllm_envoys import Value
-from vllm_envoys.codecs import Rows, Stream
-from vllm_envoys.layouts import RESIDUAL
+from vllm_envoys.codecs import Stream
 
-from vllm_runner.ops import Add, Op
+from vllm_runner.ops import Add
 from vllm_runner.serving import Want
-
-
-def steerable(value: Value) -> bool:
-    """Whether an `Add` at `value` can run inside the compiled model: residual-width rows read
-    as they sit (`Rows`, writable, not batched) or the stream's halves (`Stream`)."""
-    codec = value.eproperty.codec
-    if value.eproperty.layout != RESIDUAL:
-        return False
-    if type(codec) is Rows:
-        return codec.writable and not codec.batched
-    return type(codec) is Stream
-
-
-def _in_graph_vector(op: Add, width: int) -> bool:
-    """Whether an `Add`'s vector is one row of the value (`[hidden]`, any leading 1s)."""
-    shape = [size for size in op.vector.shape if size != 1] or [1]
-    return shape == [width] or (op.vector.numel() == 1)
-
-
-def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
-    """Whether a program's `ops` at one location can all run inside the compiled model: `Add`s
-    with one vector per row, and no more than one of them if any keeps only some positions (a
-    row gets one vector: unfiltered ones are summed)."""
-    adds = list(ops)
-    if not all(isinstance(op, Add) and _in_graph_vector(op, width) for op in adds):
-        return False
-    filtered = [op for op in adds if isinstance(op, Add) and op.keeps(1) is not None]
-    return not filtered or len(adds) == 1
 
 
 @dataclass(frozen=True)
@@ -132,26 +103,6 @@ class SteerRows:
             self.dirty = False
 
 
-class InGraphSteering:
-    """Makes the steering buffers of a model's steerable tapped values (`Runtime.install_taps`):
-    on the model's device, in its dtype, one hidden state wide."""
-
-    def __init__(self, model: nn.Module, hf_config: Any) -> None:
-        weight = next((p for p in model.parameters() if p.is_floating_point()), None)
-        self.device = weight.device if weight is not None else torch.device("cpu")
-        self.dtype = weight.dtype if weight is not None else torch.get_default_dtype()
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        self.width: int | None = getattr(text, "hidden_size", None)
-
-    def buffers(self, values: list[Value], rows: int, slots: int) -> dict[str, SteerRows]:
-        """A `SteerRows` for each of `values` an `Add` can reach in the graph (`steerable`)."""
-        if self.width is None:
-            return {}
-        return {value.location: SteerRows(value, self.width, rows, slots, str(number),
-                                          self.device, self.dtype)
-                for number, value in enumerate(values) if steerable(value)}
-
-
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
                  failed: Callable[[str], bool]) -> list[SteeredRows]:
     """Each waiting request's rows and vector at `value` this step: its `Add`s there summed
@@ -164,7 +115,7 @@ def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
             continue
         vector = op.vector.detach().to("cpu", torch.float32).reshape(-1) * float(op.scale)
         earlier = found.get(want.request_id)
-        if earlier is not None:  # unfiltered `Add`s only (`in_graph_ops`): one sum
+        if earlier is not None:  # unfiltered `Add`s only (`in_graph.in_graph_ops`): one sum
             vector = earlier.vector + vector
         span = want.span
         found[want.request_id] = SteeredRows(span.start, span.stop, span.first_position,

@@ -1,7 +1,8 @@
-"""Steering from buffers inside a compiled graph (`tap_steering`, issue [K] tier 3), engine-free:
-a toy compiled with `fullgraph=True` whose tap adds each row's vector from buffers filled after
-compilation (so the compiler cannot have folded them), against the same toy run eagerly with
-the rows added by hand. The engine's own cases are in test_compiled.py."""
+"""Steering and saves from buffers inside a compiled graph (`in_graph`, issue [K] tier 3),
+engine-free: a toy compiled with `fullgraph=True` whose tap adds each row's vector from buffers
+filled after compilation (so the compiler cannot have folded them) and copies the steered rows
+into its ring, against the same toy computed by hand. The engine's cases are in
+test_compiled.py and test_preemption.py."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ from typing import Any
 
 import pytest
 import torch
+from tokenspan import Span
 from torch import nn
+from vllm_envoys import Step
 from vllm_envoys.codecs import Heads, Rows, Stream
 from vllm_envoys.layouts import QUERIES, RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner import ops
-from vllm_runner.tap_steering import SteeredRows, SteerRows, in_graph_ops, steerable
+from vllm_runner.in_graph import InGraphRows, in_graph_ops, in_graph_value
+from vllm_runner.serving import Want
+from vllm_runner.store import SaveStore, ToCollect
+from vllm_runner.tap_saves import SaveRing
+from vllm_runner.tap_steering import SteeredRows, SteerRows
 from vllm_runner.taps import install_taps
 
 WIDTH, ROWS, SLOTS = 4, 16, 3
@@ -39,6 +46,9 @@ class Tapped:
     eproperty: Declared
     side: str = "output"
 
+    def reason(self, step: Step | None = None) -> None:
+        return None
+
 
 class Toy(nn.Module):
     def __init__(self) -> None:
@@ -50,20 +60,28 @@ class Toy(nn.Module):
         return self.second(torch.relu(self.first(x)))
 
 
-def steered_toy(backend: str | None) -> tuple[Toy, SteerRows, Any]:
+def steered_toy(backend: str | None) -> tuple[Toy, InGraphRows, Any]:
     torch.manual_seed(0)
     toy = Toy()
     value: Any = Tapped(toy.first, "first.out", Declared(Output(), Rows()))
-    steer = SteerRows(value, WIDTH, ROWS, SLOTS, "0", torch.device("cpu"), torch.float32)
-    install_taps([value], {value.location: steer})
+    cpu = torch.device("cpu")
+    rows = InGraphRows(SteerRows(value, WIDTH, ROWS, SLOTS, "0", cpu, torch.float32),
+                       SaveRing(value, WIDTH, ROWS, "0", cpu, torch.float32))
+    install_taps([value], {value.location: rows})
     run = toy if backend is None else torch.compile(toy, backend=backend, fullgraph=True)
-    return toy, steer, run
+    return toy, rows, run
+
+
+def want(request: str, span: Span, op: ops.Op) -> Want:
+    return Want(request, f"program {request}", span, Step(span.first_position, len(span), 5),
+                op)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_rows_get_their_own_vectors_in_a_compiled_graph_filled_after_compiling(
         backend: str) -> None:
-    toy, steer, run = steered_toy(backend)
+    toy, in_graph, run = steered_toy(backend)
+    steer = in_graph.steer
     x = torch.randn(7, WIDTH)
     first = torch.nn.functional.linear(x, toy.first.weight, toy.first.bias).detach()  # no hook
     plain = run(x)  # compiled here, with the buffers all zero
@@ -75,8 +93,20 @@ def test_rows_get_their_own_vectors_in_a_compiled_graph_filled_after_compiling(
     expected[0:3] += one
     expected[6] += other  # rows 4..6 hold positions 10..12: only 12 is kept
     assert torch.allclose(run(x), toy.second(torch.relu(expected)), atol=1e-5)
+    # The ring holds the steered rows of that forward; the saving requests take theirs.
+    assert torch.allclose(in_graph.saves.ring[:7], expected, atol=1e-6)
+    store = SaveStore()
+    value: Any = Tapped(toy.first, "first.out", Declared(Output(), Rows()))
+    in_graph.saves.take([[want("a", Span(0, 3, 0), ops.Save("first.out")),
+                          want("b", Span(4, 7, 10), ops.Save("first.out"))],
+                         [want("a", Span(0, 3, 0), ops.Add("first.out", one))]],
+                        lambda program: False, value, store)
     steer.clear()
     assert torch.allclose(run(x), plain, atol=1e-6)
+    every = {"first.out": None}
+    saved = store.collect([ToCollect("program a", 3, every), ToCollect("program b", 13, every)])
+    assert torch.equal(saved["program a"]["first.out"], expected[0:3].unsqueeze(0))
+    assert torch.equal(saved["program b"]["first.out"], expected[4:7].unsqueeze(0))
 
 
 def test_the_stream_is_steered_through_its_hidden_half() -> None:
@@ -94,19 +124,31 @@ def test_what_the_graph_serves_and_what_it_leaves_to_the_taps_python() -> None:
     rows: Any = Tapped(nn.Identity(), "x", Declared(Output(), Rows()))
     heads: Any = Tapped(nn.Identity(), "q", Declared(Output(), Heads(lambda m: 2, True), QUERIES))
     read_only: Any = Tapped(nn.Identity(), "r", Declared(Output(), Rows(writable=False)))
-    assert steerable(rows) and not steerable(heads) and not steerable(read_only)
+    assert in_graph_value(rows) and not in_graph_value(heads) and not in_graph_value(read_only)
     vector = torch.ones(WIDTH)
     assert in_graph_ops([ops.Add("x", vector), ops.Add("x", vector, scale=2.0)], WIDTH)
     assert in_graph_ops([ops.Add("x", vector.reshape(1, 1, WIDTH), positions=(0,))], WIDTH)
     assert not in_graph_ops([ops.Add("x", vector, positions=(0,)), ops.Add("x", vector)],
                             WIDTH)  # one vector per row: a filtered Add cannot be summed
     assert not in_graph_ops([ops.Add("x", torch.ones(3, WIDTH))], WIDTH)  # per token
-    assert not in_graph_ops([ops.Add("x", vector), ops.Save("x")], WIDTH)
+    assert in_graph_ops([ops.Add("x", vector), ops.Save("x"), ops.Save("x", steps="decode")],
+                        WIDTH)  # saves the steered value: the copy follows the steering
+    assert not in_graph_ops([ops.Save("x"), ops.Add("x", vector)], WIDTH)
     assert not in_graph_ops([ops.Scale("x", 2.0)], WIDTH)
 
 
 def test_more_steered_requests_than_slots_is_refused_before_anything_is_written() -> None:
-    _, steer, _ = steered_toy(None)
+    _, in_graph, _ = steered_toy(None)
+    steer = in_graph.steer
     with pytest.raises(ValueError, match="more than the 3 slots"):
         steer.fill([SteeredRows(i, i + 1, 0, torch.ones(WIDTH), None) for i in range(4)])
     assert not steer.scale.any()
+
+
+def test_the_stream_is_saved_as_the_sum_of_its_halves() -> None:
+    module = nn.Identity()
+    value: Any = Tapped(module, "layers.0.layer_output", Declared(Output(0, 1), Stream()))
+    ring = SaveRing(value, WIDTH, ROWS, "0", torch.device("cpu"), torch.float32)
+    hidden, residual = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
+    ring.apply(module, (hidden, residual))
+    assert torch.equal(ring.ring[:2], hidden + residual)

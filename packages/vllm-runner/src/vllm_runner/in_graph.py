@@ -1,0 +1,102 @@
+"""Which work at a tap runs inside the compiled graph, from buffers, with no Python (tier 3).
+
+A tap's op runs Python at every forward (`taps`): on a GPU the piecewise graphs split around it,
+and a step whose programs need it cannot replay a full CUDA graph. `Add` and `Save` need none:
+at a tap of a residual-width value (`[tokens, hidden]` rows, or vLLM's two stream halves) that
+is whole on every rank, the tap's hook first adds each row's steering vector from buffers
+(`tap_steering`), then copies the value into a ring buffer (`tap_saves`); the runtime fills the
+first before the forward and reads the second after it. A location is served this way on a step
+when every program waiting there has only such ops there, its `Save`s after its `Add`s (the
+copy follows the steering) and at most one `Add` if any names `positions` or `steps` (a row gets
+one vector). Anything else at that location on that step is served by the tap's Python, all of
+it, in program order, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from vllm_envoys import Value
+from vllm_envoys.codecs import Rows, Stream
+from vllm_envoys.layouts import RESIDUAL
+
+from vllm_runner.ops import Add, Op, Save
+from vllm_runner.tap_saves import SaveRing
+from vllm_runner.tap_steering import SteerRows
+
+
+def in_graph_value(value: Value) -> bool:
+    """Whether `Add` and `Save` at `value` can run inside the graph: residual-width rows read as
+    they sit (`Rows`, writable, not batched) or the stream's halves (`Stream`)."""
+    codec = value.eproperty.codec
+    if value.eproperty.layout != RESIDUAL:
+        return False
+    if type(codec) is Rows:
+        return codec.writable and not codec.batched
+    return type(codec) is Stream
+
+
+def _one_row(op: Add, width: int) -> bool:
+    """Whether an `Add`'s vector is one row of the value (`[hidden]`, any leading 1s)."""
+    shape = [size for size in op.vector.shape if size != 1]
+    return not shape or shape == [width]
+
+
+def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
+    """Whether a program's `ops` at one location (in program order) can all run inside the
+    graph: `Add`s of one row's vector, then `Save`s, and no more than one `Add` if any keeps
+    only some positions."""
+    ops = list(ops)
+    adds = [op for op in ops if isinstance(op, Add)]
+    saves = [op for op in ops if isinstance(op, Save)]
+    if len(adds) + len(saves) != len(ops) or any(
+            op is not add for op, add in zip(ops, adds, strict=False)):
+        return False  # another op, or a `Save` before an `Add`
+    if not all(_one_row(op, width) for op in adds):
+        return False
+    return len(adds) <= 1 or all(op.keeps(1) is None for op in adds)
+
+
+class InGraphRows:
+    """The in-graph work of one tapped value: steering, then the copy for saves."""
+
+    def __init__(self, steer: SteerRows, saves: SaveRing) -> None:
+        self.steer = steer
+        self.saves = saves
+        self.width = steer.width
+
+    def apply(self, module: nn.Module, raw: Any) -> None:
+        """What the tap's hook runs before its op (traced into the graph)."""
+        self.steer.apply(module, raw)
+        self.saves.apply(module, raw)
+
+
+class InGraphBuffers:
+    """Makes the buffers of a model's tapped values (`Runtime.install_taps`): on the model's
+    device, in its dtype, one hidden state wide."""
+
+    def __init__(self, model: nn.Module, hf_config: Any) -> None:
+        weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+        self.device = weight.device if weight is not None else torch.device("cpu")
+        self.dtype = weight.dtype if weight is not None else torch.get_default_dtype()
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.width: int | None = getattr(text, "hidden_size", None)
+
+    def buffers(self, values: list[Value], rows: int, slots: int) -> dict[str, InGraphRows]:
+        """An `InGraphRows` for each of `values` the graph can serve (`in_graph_value`), for
+        `rows` rows a forward (the most one runs) and `slots` steered requests a step."""
+        width = self.width
+        if width is None:
+            return {}
+        return {value.location: InGraphRows(
+            SteerRows(value, width, rows, slots, str(number), self.device, self.dtype),
+            SaveRing(value, width, rows, str(number), self.device, self.dtype))
+            for number, value in enumerate(values) if in_graph_value(value)}
+
+    def bytes_per_value(self, rows: int, slots: int) -> int:
+        """What one value's buffers hold, in bytes: the ring and the vector table dominate."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return (self.width or 0) * (rows + slots) * size + rows * (8 + size)
