@@ -23,6 +23,7 @@ from vllm_envoys.codecs import Stream
 from vllm_runner.ops import Save
 from vllm_runner.serving import Want
 from vllm_runner.store import SaveStore
+from vllm_runner.tap_steering import served_at
 
 
 class SaveRing:
@@ -33,7 +34,7 @@ class SaveRing:
         """A `[rows, width]` buffer (`rows`: the most one forward runs) registered on the
         value's module as `interp_save_<name>_ring` (not saved with it)."""
         self.location = value.location
-        self._site, self._stream = value.eproperty.site, type(value.eproperty.codec) is Stream
+        self._site, self._stream = served_at(value), type(value.eproperty.codec) is Stream
         self._name = f"interp_save_{name}_ring"
         value.module.register_buffer(self._name, torch.zeros(rows, width, device=device,
                                                              dtype=dtype), persistent=False)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from vllm_envoys import Value
 from vllm_envoys.codecs import Stream
+from vllm_envoys.sites import Site
 
 from vllm_runner.ops import Add
 from vllm_runner.serving import Want
@@ -53,7 +54,7 @@ class SteerRows:
         module = value.module
         self.location = value.location
         self.width = width
-        self._site, self._stream = value.eproperty.site, type(value.eproperty.codec) is Stream
+        self._site, self._stream = served_at(value), type(value.eproperty.codec) is Stream
         self._names = tuple(f"interp_steer_{name}_{part}" for part in ("table", "index", "scale"))
         for part, tensor in zip(self._names, (
                 torch.zeros(slots, width, device=device, dtype=dtype),
@@ -101,6 +102,14 @@ class SteerRows:
         if self.dirty:
             self.scale.zero_()
             self.dirty = False
+
+
+def served_at(value: Value) -> Site:
+    """The site a value is read at (`in_graph.in_graph_value` admits only values with one)."""
+    site = value.eproperty.site
+    if site is None:
+        raise ValueError(f"{value.location} has no site to serve it in the graph")
+    return site
 
 
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
