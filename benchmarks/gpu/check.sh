@@ -7,11 +7,14 @@
 #                                         and our wheels if the call carried .gpu-wheels
 #   benchmarks/gpu/check.sh trap_check   (a) the in-place trap, bf16 and fp32, and bf16 with saves
 #                                         moved to the host at every step
-# The model runner is V1 unless VLLM_USE_V2_MODEL_RUNNER=1 is set for the command (issue [J]).
+# The model runner is vLLM's choice (V2 on a GPU) unless the command sets
+# VLLM_USE_V2_MODEL_RUNNER=0 (V1; issue [J]).
 #   benchmarks/gpu/check.sh suites envoys|runner [PYTEST_ARGS...]   (b) the equivalence suites of
 #                                         [C] / [D]; extra arguments (e.g. -k) go to pytest;
 #                                         SHARD=i/n runs the i-th of n slices of the runner's
-#                                         files (its whole suite passes 600 s on one GPU)
+#                                         files (its whole suite took over 1,130 s under V2 on
+#                                         one GPU on 2026-12-02: SHARD=i/4 or finer, one
+#                                         600-s call each; test_server.py is the slowest file)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,

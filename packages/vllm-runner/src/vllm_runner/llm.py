@@ -243,7 +243,9 @@ class LLM:
 
     def forwards(self) -> dict[str, int]:
         """How many forwards the engine has run, by path: vLLM's compiled path with no program
-        (`"compiled"`), the compiled path serving programs through their taps (`"taps"`), and
+        (`"compiled"`), the compiled path serving programs through their taps' Python
+        (`"taps"`), the compiled path serving them from buffers inside the graph alone
+        (`"in_graph"`: `Add` and `Save` at residual-width taps, see `vllm_runner.in_graph`), and
         the plain module tree (`"eager"`: with `enforce_eager=False`, the steps whose programs
         act somewhere no tap serves; an eager engine runs every step there)."""
         (answer, *_) = self._rpc("interp_forwards")
