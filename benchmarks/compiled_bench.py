@@ -8,7 +8,9 @@ Method. The engine a user would otherwise run is vLLM's default (`vllm.LLM(model
 Dynamo and inductor, on a GPU also CUDA graphs); it runs in a process of its own, because our
 `LLM` may set engine variables that a later engine of the same process would keep. So does the
 eager bare engine (`enforce_eager=True`, the column every earlier benchmark compared against),
-and so does ours (`LLM(enforce_eager=False, taps=...)`, the taps each arm names). Each process
+and so does ours (`LLM(enforce_eager=False, taps=..., graph_taps=...)`: every layer's output
+tapped, the middle layer's served in the graph, so `Add` and `Save` there run with no Python in
+the forward; tier 3). Each process
 holds one in-process engine and runs the workloads the coordinator sends it; the coordinator
 times nothing itself: each child reports how long its `generate` calls took. For each repeat
 and arm, the default engine and the arm run the same fresh prompts back to back (the default
@@ -43,9 +45,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 NAMES = {
     "a": "our LLM, no programs",
-    "e": "10% of requests save one layer's layer_output (tap)",
-    "b": "every request saves one layer's layer_output (tap)",
-    "d": "every request steered at one layer (tap)",
+    "e": "10% of requests save one layer's layer_output (graph tap)",
+    "b": "every request saves one layer's layer_output (graph tap)",
+    "d": "every request steered at one layer (graph tap)",
     "c": "every request saves every layer's layer_output (taps)",
     "call": "a Call at one layer on every request (tap)",
     "untapped": "every request saves one layer's attention_output (no tap: eager steps)",
@@ -86,8 +88,8 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
     raise ValueError(f"unknown arm {arm!r}")
 
 
-def serve_engine(kind: str, model: str, settings: dict[str, Any], taps: list[str],
-                 jobs: Any, results: Any) -> None:
+def serve_engine(kind: str, model: str, settings: dict[str, Any],
+                 taps: tuple[list[str], list[str]], jobs: Any, results: Any) -> None:
     """A child process: one engine (`default`, `eager` or `ours`), then one timed workload per
     job `(arm, prompts, width, max_tokens)`, its seconds sent back."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -102,7 +104,8 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any], taps: list[str
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from vllm_runner import LLM
 
-        engine: Any = LLM(model, enforce_eager=False, taps=taps, **settings)
+        engine: Any = LLM(model, enforce_eager=False, taps=taps[0], graph_taps=taps[1],
+                          **settings)
     else:
         import vllm
 
@@ -133,7 +136,8 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any], taps: list[str
 class Engine:
     """A child process holding one engine, and the queues to it."""
 
-    def __init__(self, kind: str, model: str, settings: dict[str, Any], taps: list[str]) -> None:
+    def __init__(self, kind: str, model: str, settings: dict[str, Any],
+                 taps: tuple[list[str], list[str]] = ([], [])) -> None:
         context = multiprocessing.get_context("spawn")
         self.kind = kind
         self.jobs, self.results = context.Queue(), context.Queue()
@@ -195,12 +199,12 @@ def main() -> None:
 
         model = default_model()
     # One engine at a time starts (start-up compiles, and would compete for the cores).
-    default = Engine("default", model, settings, [])
+    default = Engine("default", model, settings)
     middle = default.layers // 2
-    taps = [f"layers.{middle}.layer_output", "layers.*.layer_output"]
+    taps = (["layers.*.layer_output"], [f"layers.{middle}.layer_output"])
     engines = {"default": default, "ours": Engine("ours", model, settings, taps)}
     if "eager" in arms:
-        engines["eager"] = Engine("eager", model, settings, [])
+        engines["eager"] = Engine("eager", model, settings)
     generator = torch.Generator().manual_seed(0)
 
     def fresh_prompts() -> list[list[int]]:
@@ -265,9 +269,10 @@ def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, lis
         f"flight, prompts of 32-256 random tokens, {arguments.max_tokens} generated each; "
         f"{arguments.repeats} repeats. Each engine in a process of its own: vLLM's default "
         "engine (compiled" + (", CUDA graphs" if on_gpu else ": Dynamo and inductor") + "), "
-        "ours (`LLM(enforce_eager=False, taps=[middle layer's and every layer's "
-        "layer_output])`) and vLLM's eager engine. A pair runs the same fresh prompts on the "
-        "default engine and the arm, order alternating; ratio = default time / arm time "
+        "ours (`LLM(enforce_eager=False, taps=[every layer's layer_output], "
+        "graph_taps=[the middle layer's])`) and vLLM's eager engine. A pair runs the same "
+        "fresh prompts on the default engine and the arm, order alternating; ratio = default "
+        "time / arm time "
         "(1.0 = free). Medians, min-max over repeats.",
         "",
         f"Default engine: median {statistics.median(default_seconds):.2f} s per run.",
@@ -286,8 +291,10 @@ def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, lis
     lines += [
         "",
         f"Our engine's forwards over the whole run, by path (`LLM.forwards()`): {forwards}. "
-        "`taps` counts compiled forwards whose programs were served by taps; `eager` the "
-        "forwards of steps whose programs acted where no tap serves (the `untapped` arm's).",
+        "`taps` counts compiled forwards whose programs were served by taps' Python; "
+        "`in_graph` those served from the graph's buffers alone (arms b, d, e at the middle "
+        "layer); `eager` the forwards of steps whose programs acted where no tap serves (the "
+        "`untapped` arm's).",
         "",
         f"![ratios]({plot_name})",
         "",

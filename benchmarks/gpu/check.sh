@@ -14,7 +14,8 @@
 #                                         SHARD=i/n runs the i-th of n slices of the runner's
 #                                         files (its whole suite took over 1,130 s under V2 on
 #                                         one GPU on 2026-12-02: SHARD=i/4 or finer, one
-#                                         600-s call each; test_server.py is the slowest file)
+#                                         600-s call each; test_server.py is the slowest file);
+#                                         PARALLEL=n runs n processes on one GPU (not yet tried)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,
@@ -80,8 +81,9 @@ suites() {
       > "$out/envoys-pytest.txt" 2>&1
   else
     # Without the tests named above and tensor parallelism, the files split in two halves that run
-    # side by side, one per GPU (each its own engine); TP=2 then runs on both GPUs.
-    local files=() half=(0 1) status=0
+    # side by side, one per GPU (each its own engine); TP=2 then runs on both GPUs. On one GPU,
+    # PARALLEL=n splits them in n parts run side by side there.
+    local files=() status=0
     local server=test_server.py
     command -v vllm-interp > /dev/null && server=none
     for f in packages/vllm-runner/tests/test_*.py; do
@@ -98,20 +100,30 @@ suites() {
       for i in "${!files[@]}"; do [ $((i % count + 1)) = "$index" ] && shard+=("${files[$i]}"); done
       files=("${shard[@]}")
     fi
-    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-      for g in 0 1; do
+    local gpus parts
+    gpus=$(nvidia-smi -L | wc -l)
+    # PARALLEL=n on one GPU: n pytest processes side by side (every engine of the suite sizes
+    # its KV cache outright, conftest.ENGINE_MEMORY, so none profiles memory another frees).
+    parts=${PARALLEL:-1}
+    [ "$gpus" -ge 2 ] && parts=2
+    if [ "$parts" -ge 2 ]; then
+      local pids=()
+      for ((g = 0; g < parts; g++)); do
         local part=()
-        for i in "${!files[@]}"; do [ $((i % 2)) = "$g" ] && part+=("${files[$i]}"); done
-        CUDA_VISIBLE_DEVICES=$g $python -m pytest "${report[@]}" "${part[@]}" \
-          > "$out/runner-$g.txt" 2>&1 &
-        half[$g]=$!
+        for i in "${!files[@]}"; do [ $((i % parts)) = "$g" ] && part+=("${files[$i]}"); done
+        CUDA_VISIBLE_DEVICES=$((gpus >= 2 ? g : 0)) TMPDIR=$(mktemp -d) \
+          $python -m pytest "${report[@]}" "${part[@]}" > "$out/runner-$g.txt" 2>&1 &
+        pids+=($!)
       done
-      wait "${half[0]}" || status=1
-      wait "${half[1]}" || status=1
+      for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+      cat "$out"/runner-[0-9]*.txt > "$out/runner-pytest.txt"
+      rm "$out"/runner-[0-9]*.txt
+      if [ "$gpus" -lt 2 ]; then
+        tail -60 "$out/runner-pytest.txt"
+        return $status
+      fi
       $python -m pytest "${report[@]}" packages/vllm-runner/tests/test_tensor_parallel.py \
-        > "$out/runner-tp.txt" 2>&1 || status=1
-      cat "$out/runner-0.txt" "$out/runner-1.txt" "$out/runner-tp.txt" > "$out/runner-pytest.txt"
-      rm "$out/runner-0.txt" "$out/runner-1.txt" "$out/runner-tp.txt"
+        >> "$out/runner-pytest.txt" 2>&1 || status=1
     else
       $python -m pytest "${report[@]}" "${files[@]}" > "$out/runner-pytest.txt" 2>&1 || status=1
     fi

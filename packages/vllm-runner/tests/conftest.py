@@ -73,13 +73,20 @@ def reference(model_dir: str) -> LlamaForCausalLM:
     return model.eval()
 
 
+# Every engine of the suite: a small share of a GPU, and its KV cache sized outright, so no
+# engine sizes it by profiling free memory. Profiling fails when another process frees GPU
+# memory meanwhile (vLLM's "Error in memory profiling"), and on the lent GPU the suite's slices
+# run side by side (`benchmarks/gpu/check.sh`, PARALLEL). Scripts spell the same out.
+ENGINE_MEMORY = {"gpu_memory_utilization": 0.15, "kv_cache_memory_bytes": 64 << 20}
+
+
 @pytest.fixture(scope="session")
 def llm(model_dir: str, reference):  # the reference loads first; the engine then owns the CPU
     from vllm_runner import LLM
 
     # An 8-token budget makes the prompts share steps and spreads the longest over three; 32-token
     # KV blocks (the CPU kernel's smallest) let prompts of a few dozen tokens share cache blocks.
-    return LLM(model_dir, dtype="float32", gpu_memory_utilization=0.15,
+    return LLM(model_dir, dtype="float32", **ENGINE_MEMORY,
                max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32,
                seed=0)
 

@@ -70,7 +70,8 @@ torch.save({"plain": summary(llm.generate(prompts, plain, use_tqdm=False)),
 
 OURS = COMMON + '''
 from vllm_runner import LLM, ops
-llm = LLM(sys.argv[1], taps=taps, **settings)
+# Add and Save at the layer outputs run inside the graph (`in_graph`), the rest via the taps.
+llm = LLM(sys.argv[1], taps=taps, graph_taps=["layers.*.layer_output"], **settings)
 runs = {"taps": llm.taps()}
 
 def run(name, *args, **kwargs):
@@ -111,9 +112,11 @@ llm.collective_rpc(set_compiled, args=(False,))
 run("hook skipped", prompts[:2], plain,
     interventions=[[ops.Save("layers.0.attention_output")], []])
 
-# A tap that names nothing: refused by name once the engine started (an eager one: quick).
+# A tap that names nothing, and a graph tap at a value the graph cannot serve: refused by name
+# once the engine started (an eager one: quick).
 try:
     LLM(sys.argv[1], taps=["layers.0.layer_output", "layers.9.layer_output"],
+        graph_taps=["layers.1.self_attn.attention_queries"],
         **{**settings, "enforce_eager": True})
     runs["refused"] = None
 except Exception as error:
@@ -160,9 +163,11 @@ def test_taps_are_the_canonical_locations_of_their_patterns(ours) -> None:
                             "layers.1.mlp.mlp_neurons", "layers.2.layer_output"]
 
 
-def test_a_tap_that_names_nothing_is_refused_by_name(ours) -> None:
+def test_bad_taps_are_refused_by_name(ours) -> None:
     assert ours["refused"] is not None and ours["refused"].startswith("LocationError: ")
     assert "tap 'layers.9.layer_output'" in ours["refused"]
+    assert "tap 'layers.1.self_attn.attention_queries': layers.1.self_attn.attention_queries " \
+        "(batch heads tokens head_dim) is not a residual-width value" in ours["refused"]
     assert "tap 'layers.0.layer_output'" not in ours["refused"]
 
 

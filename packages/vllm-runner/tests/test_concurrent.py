@@ -131,7 +131,8 @@ from vllm.inputs import TokensPrompt
 
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-              gpu_memory_utilization=0.15, max_model_len=128, max_num_seqs=8,
+              gpu_memory_utilization=0.15, kv_cache_memory_bytes=64 << 20,
+              max_model_len=128, max_num_seqs=8,
               max_num_batched_tokens=8, block_size=32, seed=0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])],
                            SamplingParams(max_tokens=int(sys.argv[3]), temperature=0.0,

@@ -26,7 +26,8 @@ def halve(value, ctx):
 
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32",
-              gpu_memory_utilization=0.15, max_model_len=128, seed=0, interp_reads="copy")
+              gpu_memory_utilization=0.15, kv_cache_memory_bytes=64 << 20, max_model_len=128,
+              seed=0, interp_reads="copy")
     location = "layers.1.layer_output"
     (out, copied) = llm.generate(
         [TokensPrompt(prompt_token_ids=json.loads(sys.argv[2]))] * 2,

@@ -37,7 +37,8 @@ tapped = sys.argv[4] == "compiled with taps"
 compiled = {"enforce_eager": False,
             "taps": [op.location for op in saves] + ["layers.1.self_attn.attention_keys"]}
 llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
-          max_model_len=128, max_num_seqs=8, seed=0, model_impl="transformers",
+          kv_cache_memory_bytes=64 << 20, max_model_len=128, max_num_seqs=8, seed=0,
+          model_impl="transformers",
           **(compiled if tapped else {}))
 prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
 params = SamplingParams(max_tokens=3, temperature=0.0)

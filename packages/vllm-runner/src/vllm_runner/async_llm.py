@@ -34,15 +34,17 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, interp_reads: ReadMode | None = None,
                  interp_device_saves_mib: int | None = None,
-                 taps: str | Sequence[str] | None = None, **engine: Any) -> None:
+                 taps: str | Sequence[str] | None = None,
+                 graph_taps: str | Sequence[str] | None = None, **engine: Any) -> None:
         """Start vLLM's asyncio engine on `model` (the embedded SmolLM2-135M-Instruct when
-        `None`) with every engine argument in `engine`; the `interp_*` settings and `taps` as
-        for `LLM`."""
+        `None`) with every engine argument in `engine`; the `interp_*` settings, `taps` and
+        `graph_taps` as for `LLM`."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 
-        model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps)
+        model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps,
+                               graph_taps)
         chosen = choose_defaults(model, engine, current_platform.is_cpu())
         self.engine = VllmAsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine))
         if chosen:

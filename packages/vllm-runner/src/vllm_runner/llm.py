@@ -32,6 +32,7 @@ from vllm_runner.runtime import finished_request
 from vllm_runner.samples import Fanned, fan_keywords, label_completions, merge, sample_params
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
+    GRAPH_TAPS_KEY,
     READS_VARIABLE,
     TAPS_KEY,
     device_saves_limit,
@@ -66,16 +67,20 @@ def _with_text(message: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: ReadMode | None,
                    interp_device_saves_mib: int | None,
-                   taps: str | Sequence[str] | None = None) -> str:
+                   taps: str | Sequence[str] | None = None,
+                   graph_taps: str | Sequence[str] | None = None) -> str:
     """What every engine of ours needs before vLLM starts it (`LLM` and `AsyncLLM` alike): a
     checked vLLM release, the workers' settings in the environment (checked here, not in a
     worker's traceback), the taps in the engine's own config, eager mode unless asked
     otherwise, the worker class, and the embedded model when `model` is `None`. Fills `engine`
     in place; returns the model to start."""
     check_version(vllm.__version__)
-    if taps is not None:
+    if taps is not None or graph_taps is not None:
+        in_graph = [] if graph_taps is None else tap_patterns(graph_taps, "graph_taps")
+        every = [*([] if taps is None else tap_patterns(taps)), *in_graph]
         engine["additional_config"] = {**(engine.get("additional_config") or {}),
-                                       TAPS_KEY: tap_patterns(taps)}
+                                       TAPS_KEY: list(dict.fromkeys(every)),
+                                       GRAPH_TAPS_KEY: in_graph}
     if interp_reads is not None:
         os.environ[READS_VARIABLE] = read_mode(interp_reads)
     if interp_device_saves_mib is not None:
@@ -97,14 +102,15 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
     return model
 
 
-def tap_patterns(taps: str | Sequence[str]) -> list[str]:
-    """`LLM(taps=...)` as a list of location patterns (one pattern may be given as a string);
-    anything else is refused by name here, before an engine starts."""
+def tap_patterns(taps: str | Sequence[str], argument: str = "taps") -> list[str]:
+    """`LLM(taps=...)` (or `graph_taps=`, named by `argument`) as a list of location patterns
+    (one pattern may be given as a string); anything else is refused by name here, before an
+    engine starts."""
     given = [taps] if isinstance(taps, str) else taps
     if not isinstance(given, Sequence) or not all(isinstance(one, str) and one
                                                   for one in given):
-        raise ValueError(f"taps={taps!r}: give location patterns as strings, e.g. "
-                         "taps=['layers.*.layer_output']")
+        raise ValueError(f"{argument}={taps!r}: give location patterns as strings, e.g. "
+                         f"{argument}=['layers.*.layer_output']")
     return list(given)
 
 
@@ -167,7 +173,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, interp_reads: ReadMode | None = None,
                  interp_device_saves_mib: int | None = None,
-                 taps: str | Sequence[str] | None = None, **engine: Any) -> None:
+                 taps: str | Sequence[str] | None = None,
+                 graph_taps: str | Sequence[str] | None = None, **engine: Any) -> None:
         """Start vLLM's engine on `model` with every engine argument in `engine`.
 
         Without `model`, the embedded SmolLM2-135M-Instruct is used (converted once into the
@@ -190,13 +197,21 @@ class LLM:
         that names nothing, or a value the model never serves, is refused by name
         (`LocationError`) once the engine has started, and the engine shut down. See the
         guide's "Compiled engines".
+
+        `graph_taps` are taps (they need not be repeated in `taps`) where `Add` and `Save` run
+        inside the compiled graph from buffers, with no Python in the forward: on a GPU such
+        steps keep vLLM's full CUDA graphs. Each costs a copy of its value at every forward,
+        programs or not, and buffers of `max_num_batched_tokens` rows; only residual-width
+        values whole on every rank qualify (others are refused by name, as bad taps are).
         """
         self._gone: str | None = None  # why the engine cannot be used any more, once known
-        model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps)
+        model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps,
+                               graph_taps)
         from vllm.platforms import current_platform
 
         self.engine = start(model, engine, on_cpu=current_platform.is_cpu())
-        if taps is not None and (refused := self._rpc("interp_taps")[0]["refused"]):
+        if (taps is not None or graph_taps is not None) and (
+                refused := self._rpc("interp_taps")[0]["refused"]):
             self._gone = "its taps were refused"
             with contextlib.suppress(Exception):  # the refusal is what the caller must see
                 self.engine.llm_engine.engine_core.shutdown()

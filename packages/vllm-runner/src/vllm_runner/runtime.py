@@ -20,7 +20,7 @@ from vllm_envoys import Value, standardize
 
 from vllm_runner.errors import LocationError
 from vllm_runner.hooks import SAMPLER_HOOK, Hooks
-from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops
+from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
 from vllm_runner.ops import Op
@@ -130,19 +130,30 @@ class Runtime:
         """The canonical locations an op acts at."""
         return [location for pattern in op.patterns() for location in self.resolve(pattern)]
 
-    def install_taps(self, patterns: Sequence[str], rows: int = 0,
-                     slots: int = 0) -> dict[str, str]:
+    def install_taps(self, patterns: Sequence[str], rows: int = 0, slots: int = 0,
+                     in_graph: Sequence[str] = ()) -> dict[str, str]:
         """Serve the locations `patterns` name from inside the compiled model (`taps`); called
         once, before vLLM compiles it. Returns the patterns refused, with the reasons
         (`tap_locations`): the engine still starts (a program there runs uncompiled), and
-        `LLM` reports them. With `rows` (the most one forward runs) and `slots` (the most
-        requests one step holds), `Add`s and `Save`s at taps of residual-width values run in
-        the graph (`in_graph`)."""
+        `LLM` reports them. At the taps `in_graph` names (also among `patterns`), `Add`s and
+        `Save`s run inside the graph (`in_graph`), with buffers for `rows` rows (the most one
+        forward runs) and `slots` steered requests (the most one step holds)."""
         locations, refused = tap_locations(patterns, self.resolve, self.support())
-        if rows and slots:
+        graph_locations = []
+        for pattern in in_graph:
+            try:
+                found = [] if pattern in refused else self.resolve(pattern)
+            except LocationError as error:
+                refused[pattern] = str(error)
+                continue
+            for location in found:
+                if (reason := self._not_in_graph(location)) is not None:
+                    refused[pattern] = reason
+                elif location not in graph_locations:
+                    graph_locations.append(location)
+        if graph_locations and rows and slots:
             self.in_graph = self._buffers.buffers(
-                [self.values[location] for location in locations if self._whole(location)],
-                rows, slots)
+                [self.values[location] for location in graph_locations], rows, slots)
             if self.in_graph:
                 logger.info("vllm-runner: %d taps serve Add and Save inside the graph, with "
                             "%.1f MiB of buffers", len(self.in_graph), len(self.in_graph) *
@@ -152,12 +163,23 @@ class Runtime:
         self.refused_taps = refused
         return refused
 
-    def _whole(self, location: str) -> bool:
-        """Whether the value at `location` is whole on every rank (tensor parallelism)."""
+    def _not_in_graph(self, location: str) -> str | None:
+        """Why `Add` and `Save` at `location` cannot run inside the graph, or `None`."""
+        value = self.values[location]
+        if not in_graph_value(value):
+            return (f"{location} ({' '.join(value.eproperty.layout)}) is not a residual-width "
+                    "value read as it sits: graph taps serve layer_input, layer_output, "
+                    "attention_output, mlp_output and the like; tap it in taps= instead")
         try:
-            return self.sharded.keys(self.values[location]) is None
+            whole = self.sharded.keys(value) is None
         except NotImplementedError:
-            return False
+            whole = False
+        if not whole:
+            return (f"{location} is split across tensor-parallel ranks here: graph taps serve "
+                    "values whole on every rank; tap it in taps= instead")
+        if not self._buffers.width:
+            return f"{location}: the model's config names no hidden_size to size buffers by"
+        return None
 
     @property
     def taps(self) -> frozenset[str]:
@@ -258,8 +280,8 @@ class Runtime:
 
     def needs_tap_python(self, programs: Sequence[Program]) -> bool:
         """Whether a step running `programs` has work at a tap that runs in the tap's Python
-        (a full CUDA graph would replay its kernels without it): any op there but an `Add` the
-        graph serves (`in_graph`)."""
+        (a full CUDA graph would replay its kernels without it): any op there but the `Add`s and
+        `Save`s the graph serves (`in_graph`)."""
         taps = self.taps
         return any(location in taps and not self._in_graph(program, location)
                    for program in {program.digest: program for program in programs}.values()
@@ -322,8 +344,13 @@ class Runtime:
                     and self._in_graph(program, location)
                     for members in groups for want in members):
                 continue
-            if steered := steered_rows(self.values[location], groups, self.store.failed):
-                rows.steer.fill(steered)
+            try:
+                if steered := steered_rows(self.values[location], groups, self.store.failed):
+                    rows.steer.fill(steered)
+            except Exception:  # the tap's Python serves them then, and fails only its requests
+                logger.exception("vllm-runner: %s could not be served in the graph", location)
+                rows.steer.clear()
+                continue
             self._saves_in_graph.append((location, groups))
             del tokens.wants[location]
             served = True

@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm_runner.kv_blocks import WrittenBlocks
 from vllm_runner.runtime import Runtime
-from vllm_runner.settings import TAPS_KEY, device_saves_limit, read_mode
+from vllm_runner.settings import GRAPH_TAPS_KEY, TAPS_KEY, device_saves_limit, read_mode
 from vllm_runner.taps import TAP_OP
 
 logger = logging.getLogger("vllm.interp")
@@ -32,14 +32,16 @@ def install_taps(runtime: Runtime, vllm_config: Any) -> None:
     `additional_config`, set by `LLM(taps=...)`), before vLLM compiles the model, and list the
     tap op among the operators vLLM's piecewise CUDA graphs are split at, so it runs between
     their replays."""
-    patterns = (vllm_config.additional_config or {}).get(TAPS_KEY) or []
+    config = vllm_config.additional_config or {}
+    patterns, in_graph = config.get(TAPS_KEY) or [], config.get(GRAPH_TAPS_KEY) or []
     if not patterns:
         return
     scheduler = vllm_config.scheduler_config
     # The most rows one forward runs: a step's tokens, or a CUDA graph's padded batch.
     rows = max(scheduler.max_num_batched_tokens,
                max(vllm_config.compilation_config.cudagraph_capture_sizes or [0]))
-    for pattern, reason in runtime.install_taps(patterns, rows, scheduler.max_num_seqs).items():
+    for pattern, reason in runtime.install_taps(patterns, rows, scheduler.max_num_seqs,
+                                                in_graph).items():
         logger.warning("vllm-runner: tap %r refused: %s", pattern, reason)
     compilation = vllm_config.compilation_config
     if compilation.splitting_ops is not None and TAP_OP not in compilation.splitting_ops:

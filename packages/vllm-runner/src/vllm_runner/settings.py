@@ -17,6 +17,8 @@ from tokenspan import READ_MODES, ReadMode
 #: later engine of the process) and part of the config's hash (a model compiled for other taps
 #: is never taken from vLLM's compile cache).
 TAPS_KEY = "interp_taps"
+#: The taps whose `Add`s and `Save`s run inside the graph (`LLM(graph_taps=...)`), likewise.
+GRAPH_TAPS_KEY = "interp_graph_taps"
 
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).
 READS_VARIABLE = "VLLM_INTERP_READS"

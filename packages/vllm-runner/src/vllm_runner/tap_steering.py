@@ -79,6 +79,7 @@ class SteerRows:
         if len(steered) > self.table.shape[0]:
             raise ValueError(f"{self.location}: {len(steered)} steered requests in one step, "
                              f"more than the {self.table.shape[0]} slots")
+        self.dirty = True  # from here on `clear` zeroes the scales, whatever fails below
         index = torch.zeros(self.index.shape[0], dtype=torch.long)
         scale = torch.zeros(self.scale.shape[0], dtype=torch.float32)
         for slot, rows in enumerate(steered):
@@ -95,7 +96,6 @@ class SteerRows:
             self.table[:len(steered)].copy_(vectors.to(self.table.dtype))
         self.index.copy_(index)
         self.scale.copy_(scale.to(self.scale.dtype))
-        self.dirty = True
 
     def clear(self) -> None:
         """No row steered (after a step that steered here)."""
