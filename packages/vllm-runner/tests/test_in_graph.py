@@ -64,12 +64,16 @@ def steered_toy(backend: str | None) -> tuple[Toy, InGraphRows, Any]:
     torch.manual_seed(0)
     toy = Toy()
     value: Any = Tapped(toy.first, "first.out", Declared(Output(), Rows()))
-    cpu = torch.device("cpu")
-    rows = InGraphRows(SteerRows(value, WIDTH, ROWS, SLOTS, "0", cpu, torch.float32),
-                       SaveRing(value, WIDTH, ROWS, "0", cpu, torch.float32))
+    rows = in_graph_rows(value)
     install_taps([value], {value.location: rows})
     run = toy if backend is None else torch.compile(toy, backend=backend, fullgraph=True)
     return toy, rows, run
+
+
+def in_graph_rows(value: Any) -> InGraphRows:
+    cpu = torch.device("cpu")
+    return InGraphRows(value, SteerRows(value, WIDTH, ROWS, SLOTS, "0", cpu, torch.float32),
+                       SaveRing(value, WIDTH, ROWS, "0", cpu, torch.float32))
 
 
 def want(request: str, span: Span, op: ops.Op) -> Want:
@@ -112,11 +116,11 @@ def test_rows_get_their_own_vectors_in_a_compiled_graph_filled_after_compiling(
 def test_the_stream_is_steered_through_its_hidden_half() -> None:
     module = nn.Identity()
     value: Any = Tapped(module, "layers.0.layer_output", Declared(Output(0, 1), Stream()))
-    steer = SteerRows(value, WIDTH, ROWS, SLOTS, "0", torch.device("cpu"), torch.float32)
+    rows = in_graph_rows(value)
     hidden, residual = torch.zeros(2, WIDTH), torch.ones(2, WIDTH)
     vector = torch.arange(WIDTH, dtype=torch.float32)
-    steer.fill([SteeredRows(1, 2, 5, vector, None)])
-    steer.apply(module, (hidden, residual))
+    rows.steer.fill([SteeredRows(1, 2, 5, vector, None)])
+    rows.apply(module, (hidden, residual))
     assert torch.equal(hidden + residual, torch.stack([torch.ones(WIDTH), 1 + vector]))
 
 
@@ -148,7 +152,7 @@ def test_more_steered_requests_than_slots_is_refused_before_anything_is_written(
 def test_the_stream_is_saved_as_the_sum_of_its_halves() -> None:
     module = nn.Identity()
     value: Any = Tapped(module, "layers.0.layer_output", Declared(Output(0, 1), Stream()))
-    ring = SaveRing(value, WIDTH, ROWS, "0", torch.device("cpu"), torch.float32)
+    rows = in_graph_rows(value)
     hidden, residual = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
-    ring.apply(module, (hidden, residual))
-    assert torch.equal(ring.ring[:2], hidden + residual)
+    rows.apply(module, (hidden, residual))  # nothing steered: the halves as they came
+    assert torch.equal(rows.saves.ring[:2], hidden + residual)

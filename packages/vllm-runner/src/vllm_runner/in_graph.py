@@ -63,15 +63,25 @@ def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
 class InGraphRows:
     """The in-graph work of one tapped value: steering, then the copy for saves."""
 
-    def __init__(self, steer: SteerRows, saves: SaveRing) -> None:
+    def __init__(self, value: Value, steer: SteerRows, saves: SaveRing) -> None:
+        site = value.eproperty.site
+        if site is None:  # `in_graph_value` admits only values read at a site
+            raise ValueError(f"{value.location} has no site to serve it in the graph")
+        self._site, self._stream = site, type(value.eproperty.codec) is Stream
         self.steer = steer
         self.saves = saves
         self.width = steer.width
 
     def apply(self, module: nn.Module, raw: Any) -> None:
-        """What the tap's hook runs before its op (traced into the graph)."""
-        self.steer.apply(module, raw)
-        self.saves.apply(module, raw)
+        """What the tap's hook runs before its op (traced into the graph). vLLM's two stream
+        halves are steered through the first (the stream is their sum) and saved as their sum,
+        as the value is read everywhere else."""
+        hidden = self._site.get(raw, module)
+        residual = None
+        if self._stream and not isinstance(hidden, torch.Tensor):
+            hidden, residual = hidden
+        self.steer.apply(module, hidden)
+        self.saves.apply(module, hidden if residual is None else hidden + residual)
 
 
 class InGraphBuffers:
@@ -92,7 +102,7 @@ class InGraphBuffers:
         if width is None:
             return {}
         return {value.location: InGraphRows(
-            SteerRows(value, width, rows, slots, str(number), self.device, self.dtype),
+            value, SteerRows(value, width, rows, slots, str(number), self.device, self.dtype),
             SaveRing(value, width, rows, str(number), self.device, self.dtype))
             for number, value in enumerate(values) if in_graph_value(value)}
 

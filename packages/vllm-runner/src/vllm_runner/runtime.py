@@ -9,7 +9,7 @@ the rows), `store` (what was saved).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -201,10 +201,7 @@ class Runtime:
         after the model, on any path). On a compiled engine, each such location is logged
         once, with the way to keep its steps compiled."""
         taps = self.taps
-        # Once per program, not per request: a step's requests mostly share a few programs.
-        distinct = {program.digest: program for program in programs}.values()
-        untapped = {location for program in distinct for op in program.ops
-                    for location in self.locations_of(op)
+        untapped = {location for _, location in self._acting_at(programs)
                     if location not in taps and location not in PER_SAMPLED_ROW}
         if self.compiled and (new := untapped - self._logged_untapped):
             self._logged_untapped |= new
@@ -284,8 +281,15 @@ class Runtime:
         `Save`s the graph serves (`in_graph`)."""
         taps = self.taps
         return any(location in taps and not self._in_graph(program, location)
-                   for program in {program.digest: program for program in programs}.values()
-                   for op in program.ops for location in self.locations_of(op))
+                   for program, location in self._acting_at(programs))
+
+    def _acting_at(self, programs: Sequence[Program]) -> Iterator[tuple[Program, str]]:
+        """Each distinct program of `programs` with each location one of its ops acts at; once
+        per program, not per request (a step's requests mostly share a few programs)."""
+        for program in {program.digest: program for program in programs}.values():
+            for op in program.ops:
+                for location in self.locations_of(op):
+                    yield program, location
 
     def needs_tap_python_for(self, data: Sequence[ProgramData]) -> bool:
         """`needs_tap_python` for programs as they travel; one that does not decode needs it."""

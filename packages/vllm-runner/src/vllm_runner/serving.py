@@ -7,6 +7,7 @@ into the engine's tensors in place (`tokenspan.widen`), only on the request's ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -135,11 +136,17 @@ def serve(value: Value, raw: Any, visits: Visits, services: Services) -> None:
             serve_one(want, value, raw, layout, token_axis, services)
 
 
+def passed_over(want: Want, value: Value, failed: Callable[[str], bool]) -> bool:
+    """Whether `want` gets nothing at this visit: `value` cannot be served at its step, or its
+    program failed earlier (`failed`: the store's)."""
+    return value.reason(want.step) is not None or failed(want.program_id)
+
+
 def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis: int | None,
               services: Services) -> None:
     """Run one request's op on its own rows; a failure fails that request only."""
     store = services.store
-    if value.reason(want.step) is not None or store.failed(want.program_id):
+    if passed_over(want, value, store.failed):
         return  # e.g. a value this step cannot serve; a program failed earlier
     try:
         rows = narrow(raw, want.span, layout)

@@ -18,12 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 from vllm_envoys import Value
-from vllm_envoys.codecs import Stream
 
 from vllm_runner.ops import Save
-from vllm_runner.serving import Want
+from vllm_runner.serving import Want, passed_over
 from vllm_runner.store import SaveStore
-from vllm_runner.tap_steering import served_at
 
 
 class SaveRing:
@@ -34,20 +32,15 @@ class SaveRing:
         """A `[rows, width]` buffer (`rows`: the most one forward runs) registered on the
         value's module as `interp_save_<name>_ring` (not saved with it)."""
         self.location = value.location
-        self._site, self._stream = served_at(value), type(value.eproperty.codec) is Stream
         self._name = f"interp_save_{name}_ring"
         value.module.register_buffer(self._name, torch.zeros(rows, width, device=device,
                                                              dtype=dtype), persistent=False)
         self.ring: torch.Tensor = getattr(value.module, self._name)
 
-    def apply(self, module: nn.Module, raw: Any) -> None:
-        """Copy the value's rows into the ring (traced into the compiled graph). A stream in
-        two halves is saved as their sum, as the value is read everywhere else."""
-        piece = self._site.get(raw, module)
-        if self._stream and not isinstance(piece, torch.Tensor):
-            hidden, residual = piece
-            piece = hidden if residual is None else hidden + residual
-        getattr(module, self._name)[:piece.shape[0]].copy_(piece)
+    def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
+        """Copy the value's `rows` (`[tokens, hidden]`) into the ring, traced into the compiled
+        graph; the buffer is read through `module`, so the compiler takes it as an input."""
+        getattr(module, self._name)[:rows.shape[0]].copy_(rows)
 
     def take(self, groups: Iterable[Iterable[Want]], failed: Callable[[str], bool],
              value: Value, store: SaveStore) -> None:
@@ -55,8 +48,7 @@ class SaveRing:
         share one copy), skipping programs that failed and steps the value is not served at."""
         spans = {}
         for want in (want for members in groups for want in members):
-            if isinstance(want.op, Save) and not failed(want.program_id) and \
-                    value.reason(want.step) is None:
+            if isinstance(want.op, Save) and not passed_over(want, value, failed):
                 spans[want.program_id] = want.span
         owners: list[tuple[str, int]] = []
         pieces: list[torch.Tensor] = []

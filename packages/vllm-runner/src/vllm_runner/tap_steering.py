@@ -12,24 +12,20 @@ runtime rewrites their contents before each forward that steers there (`SteerRow
 zeroes them after, so a step that does not steer adds zeros.
 
 A row gets one vector: several unfiltered `Add`s of a request at one location are summed into
-one (`steered_rows`); vLLM's two stream halves are steered through the first, since the stream
-is their sum.
+one (`steered_rows`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from vllm_envoys import Value
-from vllm_envoys.codecs import Stream
-from vllm_envoys.sites import Site
 
 from vllm_runner.ops import Add
-from vllm_runner.serving import Want
+from vllm_runner.serving import Want, passed_over
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,6 @@ class SteerRows:
         module = value.module
         self.location = value.location
         self.width = width
-        self._site, self._stream = served_at(value), type(value.eproperty.codec) is Stream
         self._names = tuple(f"interp_steer_{name}_{part}" for part in ("table", "index", "scale"))
         for part, tensor in zip(self._names, (
                 torch.zeros(slots, width, device=device, dtype=dtype),
@@ -64,24 +59,25 @@ class SteerRows:
         self.table, self.index, self.scale = (getattr(module, part) for part in self._names)
         self.dirty = False
 
-    def apply(self, module: nn.Module, raw: Any) -> None:
-        """Add each row's vector in place (traced into the compiled graph: no Python at run
-        time). The buffers are read through `module`, so the compiler takes them as inputs."""
+    def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
+        """Add each row's vector to `rows` (`[tokens, hidden]`) in place, traced into the
+        compiled graph: no Python at run time. The buffers are read through `module`, so the
+        compiler takes them as inputs."""
         table, index, scale = (getattr(module, part) for part in self._names)
-        piece = self._site.get(raw, module)
-        if self._stream and not isinstance(piece, torch.Tensor):
-            piece = piece[0]  # the hidden half: the stream is its sum with the residual
-        rows = piece.shape[0]
-        piece.add_(table.index_select(0, index[:rows]) * scale[:rows, None])
+        count = rows.shape[0]
+        rows.add_(table.index_select(0, index[:count]) * scale[:count, None])
 
     def fill(self, steered: list[SteeredRows]) -> None:
-        """Write this step's vectors, row indices and scales (zeros on every other row)."""
+        """Write this step's vectors, row indices and scales (zeros on every other row). Only
+        the rows up to the last steered one are written: past it the scales are zero already
+        (`clear` after every step that steered)."""
         if len(steered) > self.table.shape[0]:
             raise ValueError(f"{self.location}: {len(steered)} steered requests in one step, "
                              f"more than the {self.table.shape[0]} slots")
         self.dirty = True  # from here on `clear` zeroes the scales, whatever fails below
-        index = torch.zeros(self.index.shape[0], dtype=torch.long)
-        scale = torch.zeros(self.scale.shape[0], dtype=torch.float32)
+        end = max((rows.stop for rows in steered), default=0)
+        index = torch.zeros(end, dtype=torch.long)
+        scale = torch.zeros(end, dtype=torch.float32)
         for slot, rows in enumerate(steered):
             index[rows.start:rows.stop] = slot
             if rows.keep is None:
@@ -94,22 +90,14 @@ class SteerRows:
             vectors = torch.stack([rows.vector.reshape(-1).expand(self.width)
                                    for rows in steered])
             self.table[:len(steered)].copy_(vectors.to(self.table.dtype))
-        self.index.copy_(index)
-        self.scale.copy_(scale.to(self.scale.dtype))
+        self.index[:end].copy_(index)
+        self.scale[:end].copy_(scale.to(self.scale.dtype))
 
     def clear(self) -> None:
         """No row steered (after a step that steered here)."""
         if self.dirty:
             self.scale.zero_()
             self.dirty = False
-
-
-def served_at(value: Value) -> Site:
-    """The site a value is read at (`in_graph.in_graph_value` admits only values with one)."""
-    site = value.eproperty.site
-    if site is None:
-        raise ValueError(f"{value.location} has no site to serve it in the graph")
-    return site
 
 
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
@@ -120,7 +108,7 @@ def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
     found: dict[str, SteeredRows] = {}
     for want in (want for members in groups for want in members):
         op = want.op
-        if not isinstance(op, Add) or failed(want.program_id) or value.reason(want.step):
+        if not isinstance(op, Add) or passed_over(want, value, failed):
             continue
         vector = op.vector.detach().to("cpu", torch.float32).reshape(-1) * float(op.scale)
         earlier = found.get(want.request_id)
