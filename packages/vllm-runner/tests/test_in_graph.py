@@ -149,6 +149,16 @@ def test_more_steered_requests_than_slots_is_refused_before_anything_is_written(
     assert not steer.scale.any()
 
 
+def test_a_vector_that_overflows_the_models_dtype_is_refused_before_anything_is_written() -> None:
+    # float16 tops out at 65504: its inf would make 0 * inf = NaN on the other requests' rows.
+    value: Any = Tapped(nn.Identity(), "x", Declared(Output(), Rows()))
+    steer = SteerRows(value, WIDTH, ROWS, SLOTS, "0", torch.device("cpu"), torch.float16)
+    with pytest.raises(ValueError, match=r"not finite in torch\.float16"):
+        steer.fill([SteeredRows(0, 2, 0, torch.ones(WIDTH), None),
+                    SteeredRows(2, 3, 0, torch.full((WIDTH,), 1e5), None)])
+    assert not steer.scale.any() and not steer.table.any()
+
+
 def test_the_stream_is_saved_as_the_sum_of_its_halves() -> None:
     module = nn.Identity()
     value: Any = Tapped(module, "layers.0.layer_output", Declared(Output(0, 1), Stream()))

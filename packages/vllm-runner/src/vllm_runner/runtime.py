@@ -351,7 +351,7 @@ class Runtime:
             try:
                 if steered := steered_rows(self.values[location], groups, self.store.failed):
                     rows.steer.fill(steered)
-            except Exception:  # the tap's Python serves them then, and fails only its requests
+            except Exception:  # the tap's Python serves them then, failing only whom it must
                 logger.exception("vllm-runner: %s could not be served in the graph", location)
                 rows.steer.clear()
                 continue

@@ -74,6 +74,13 @@ class SteerRows:
         if len(steered) > self.table.shape[0]:
             raise ValueError(f"{self.location}: {len(steered)} steered requests in one step, "
                              f"more than the {self.table.shape[0]} slots")
+        vectors = torch.stack([rows.vector.reshape(-1).expand(self.width)
+                               for rows in steered]).to(self.table.dtype) if steered else None
+        # A vector that overflows the model's dtype (float16) would put inf in the table, and
+        # `0 * inf` is NaN on every row whose scale is 0: other requests' rows included.
+        if vectors is not None and not bool(torch.isfinite(vectors).all()):
+            raise ValueError(f"{self.location}: a steering vector is not finite in "
+                             f"{self.table.dtype}")
         self.dirty = True  # from here on `clear` zeroes the scales, whatever fails below
         end = max((rows.stop for rows in steered), default=0)
         index = torch.zeros(end, dtype=torch.long)
@@ -86,10 +93,8 @@ class SteerRows:
                 scale[rows.start:rows.stop] = torch.tensor(
                     [float(rows.keep(rows.first_position + offset))
                      for offset in range(rows.stop - rows.start)])
-        if steered:
-            vectors = torch.stack([rows.vector.reshape(-1).expand(self.width)
-                                   for rows in steered])
-            self.table[:len(steered)].copy_(vectors.to(self.table.dtype))
+        if vectors is not None:
+            self.table[:len(steered)].copy_(vectors)
         self.index[:end].copy_(index)
         self.scale[:end].copy_(scale.to(self.scale.dtype))
 
