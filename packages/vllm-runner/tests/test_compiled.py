@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import LOGPROB_TOLERANCE, PROMPTS, engine_script_environment
+from conftest import LOGPROB_TOLERANCE, PROMPTS, engine_script_environment, logprob_steps
 from test_save import close, transformers_values
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -190,7 +190,7 @@ def as_the_bare_engine(ours_outputs: list[dict[str, Any]],
     if not torch.cuda.is_available():
         assert ours_outputs == bare_outputs
         return
-    plain_beside_steered(ours_outputs, bare_outputs)
+    equal_to_the_last_bits(ours_outputs, bare_outputs)
 
 
 def traced_on_the_eager_engine(llm, program: list[ops.Op]) -> list[Any]:
@@ -241,10 +241,10 @@ def test_untraced_requests_beside_traced_ones_at_taps_equal_a_bare_compiled_engi
     as_the_bare_engine([plain], [bare["traced"][1]])
 
 
-def plain_beside_steered(others: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
-    """Plain requests that shared steps with steered ones: the compiled engine's tokens, and
-    its log-probabilities to the last bits (the plain module tree rounds differently from
-    inductor's fused kernels)."""
+def equal_to_the_last_bits(others: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    """Requests of ours against another engine's (both as `summary` gives them): the same
+    tokens, log-probabilities to the last bits (the plain module tree and inductor's fused
+    kernels round differently)."""
     for ours_one, theirs in zip(others, expected, strict=True):
         assert ours_one["error"] is None and ours_one["tokens"] == theirs["tokens"]
         for mine, wanted in zip(ours_one["logprobs"], theirs["logprobs"], strict=True):
@@ -260,13 +260,9 @@ def steered_on_the_eager_engine(llm, programs: list[list[ops.Op]]) -> list[Any]:
 
 
 def as_the_eager_engine(mine: dict[str, Any], theirs: Any) -> None:
-    """A steered request of the compiled engine against the eager engine's: the same tokens,
-    log-probabilities to the last bits (inductor's kernels round differently)."""
-    assert mine["error"] is None
-    assert mine["tokens"] == list(theirs.outputs[0].token_ids)
-    for step, wanted in zip(mine["logprobs"], theirs.outputs[0].logprobs, strict=True):
-        assert step.keys() == wanted.keys()
-        assert all(abs(step[t] - wanted[t].logprob) <= LOGPROB_TOLERANCE for t in step)
+    """A request of the compiled engine against the eager engine's output (`theirs`)."""
+    equal_to_the_last_bits([mine], [{"tokens": list(theirs.outputs[0].token_ids),
+                                     "logprobs": logprob_steps(theirs)}])
 
 
 def test_two_requests_steered_at_a_tap_in_one_step_each_get_their_own_vector_in_the_graph(
@@ -283,7 +279,7 @@ def test_two_requests_steered_at_a_tap_in_one_step_each_get_their_own_vector_in_
         as_the_eager_engine(mine, theirs)
         assert mine["tokens"] != unsteered["tokens"]
     assert first["tokens"] != second["tokens"]
-    plain_beside_steered([plain], bare["plain"][2:])
+    equal_to_the_last_bits([plain], bare["plain"][2:])
 
 
 def test_steering_from_the_graph_keeps_to_the_positions_its_add_names(ours, bare, llm) -> None:
@@ -294,7 +290,7 @@ def test_steering_from_the_graph_keeps_to_the_positions_its_add_names(ours, bare
     as_the_eager_engine(run["outputs"][0], eager[0])
     # Not added to the prompt: the first token is the unsteered one.
     assert run["outputs"][0]["tokens"][0] == bare["plain"][0]["tokens"][0]
-    plain_beside_steered(run["outputs"][1:], bare["plain"][1:])
+    equal_to_the_last_bits(run["outputs"][1:], bare["plain"][1:])
 
 
 def test_saves_from_the_graph_equal_transformers_beside_steering_from_it(
@@ -342,7 +338,7 @@ def test_steering_elsewhere_on_a_compiled_engine_changes_only_its_own_request(
     assert run["forwards"]["eager"] > 0 and run["forwards"]["taps"] == 0
     steered, others = run["outputs"][0], run["outputs"][1:]
     assert steered["error"] is None and steered["tokens"] != bare["plain"][0]["tokens"]
-    plain_beside_steered(others, bare["plain"][1:])
+    equal_to_the_last_bits(others, bare["plain"][1:])
 
 
 def test_a_program_whose_hook_a_compiled_forward_skips_fails_by_name(ours) -> None:
