@@ -6,4 +6,6 @@ set -euo pipefail
 rm -rf .gpu-wheels
 python -m pip wheel -q --no-deps -w .gpu-wheels ./packages/tokenspan ./packages/tpfragments \
   ./packages/vllm-envoys ./packages/vllm-runner
+# pytest-xdist for `PARALLEL=n check.sh suites runner` (the device image has pytest, not xdist).
+python -m pip download -q --no-deps --only-binary=:all: -d .gpu-wheels "pytest-xdist>=3.6" "execnet>=2.1"
 ls .gpu-wheels

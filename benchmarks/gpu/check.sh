@@ -15,7 +15,8 @@
 #                                         files (its whole suite took over 1,130 s under V2 on
 #                                         one GPU on 2026-12-02: SHARD=i/4 or finer, one
 #                                         600-s call each; test_server.py is the slowest file);
-#                                         PARALLEL=n runs n processes on one GPU (not yet tried)
+#                                         PARALLEL=n runs n pytest-xdist workers on one GPU
+#                                         (build-wheels.sh carries xdist there)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,
@@ -100,32 +101,33 @@ suites() {
       for i in "${!files[@]}"; do [ $((i % count + 1)) = "$index" ] && shard+=("${files[$i]}"); done
       files=("${shard[@]}")
     fi
-    local gpus parts
+    local gpus
     gpus=$(nvidia-smi -L | wc -l)
-    # PARALLEL=n on one GPU: n pytest processes side by side (every engine of the suite sizes
-    # its KV cache outright, conftest.ENGINE_MEMORY, so none profiles memory another frees).
-    parts=${PARALLEL:-1}
-    [ "$gpus" -ge 2 ] && parts=2
-    if [ "$parts" -ge 2 ]; then
+    if [ "$gpus" -ge 2 ]; then
+      # Two GPUs: the files in two halves side by side, one per GPU; TP=2 then runs on both.
       local pids=()
-      for ((g = 0; g < parts; g++)); do
+      for ((g = 0; g < 2; g++)); do
         local part=()
-        for i in "${!files[@]}"; do [ $((i % parts)) = "$g" ] && part+=("${files[$i]}"); done
-        CUDA_VISIBLE_DEVICES=$((gpus >= 2 ? g : 0)) TMPDIR=$(mktemp -d) \
+        for i in "${!files[@]}"; do [ $((i % 2)) = "$g" ] && part+=("${files[$i]}"); done
+        CUDA_VISIBLE_DEVICES=$g TMPDIR=$(mktemp -d) \
           $python -m pytest "${report[@]}" "${part[@]}" > "$out/runner-$g.txt" 2>&1 &
         pids+=($!)
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=1; done
       cat "$out"/runner-[0-9]*.txt > "$out/runner-pytest.txt"
       rm "$out"/runner-[0-9]*.txt
-      if [ "$gpus" -lt 2 ]; then
-        tail -60 "$out/runner-pytest.txt"
-        return $status
-      fi
       $python -m pytest "${report[@]}" packages/vllm-runner/tests/test_tensor_parallel.py \
         >> "$out/runner-pytest.txt" 2>&1 || status=1
+    elif [ "${PARALLEL:-1}" -ge 2 ]; then
+      # PARALLEL=n on one GPU: n pytest-xdist workers side by side, a file at a time each (as
+      # CI runs on the CPU); every engine of the suite sizes its KV cache outright
+      # (conftest.ENGINE_MEMORY), so none profiles memory another frees. The CPU oracles share
+      # the host's cores.
+      OMP_NUM_THREADS=$(($(nproc) / PARALLEL > 0 ? $(nproc) / PARALLEL : 1)) \
+        $python -m pytest "${report[@]}" -n "$PARALLEL" --dist loadfile --durations=25 \
+        "${files[@]}" > "$out/runner-pytest.txt" 2>&1 || status=1
     else
-      $python -m pytest "${report[@]}" "${files[@]}" > "$out/runner-pytest.txt" 2>&1 || status=1
+      $python -m pytest "${report[@]}" --durations=25 "${files[@]}" > "$out/runner-pytest.txt" 2>&1 || status=1
     fi
     tail -60 "$out/runner-pytest.txt"
     return $status
