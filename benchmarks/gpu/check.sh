@@ -11,12 +11,12 @@
 # VLLM_USE_V2_MODEL_RUNNER=0 (V1; issue [J]).
 #   benchmarks/gpu/check.sh suites envoys|runner [PYTEST_ARGS...]   (b) the equivalence suites of
 #                                         [C] / [D]; extra arguments (e.g. -k) go to pytest;
-#                                         SHARD=i/n runs the i-th of n slices of the runner's
-#                                         files (its whole suite took over 1,130 s under V2 on
-#                                         one GPU on 2026-12-02: SHARD=i/4 or finer, one
-#                                         600-s call each; test_server.py is the slowest file);
-#                                         PARALLEL=n runs n pytest-xdist workers on one GPU
-#                                         (build-wheels.sh carries xdist there)
+#                                         PARALLEL=n (both suites) runs n pytest-xdist workers
+#                                         on one GPU (build-wheels.sh carries xdist there);
+#                                         the runner's whole suite took 340 s under V2 and
+#                                         297 s under V1 with PARALLEL=5 (2026-12-02), over
+#                                         1,130 s in one process; SHARD=i/n runs the i-th of n
+#                                         slices of its files
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,
@@ -77,7 +77,12 @@ suites() {
   local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE "${@:2}")
   export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
   if [ "$which" = envoys ]; then
-    VLLM_INTERP_ORACLE_DEVICE=cuda $python -m pytest "${report[@]}" \
+    # PARALLEL=n: n pytest-xdist workers on one GPU, one family's tests on one worker (its
+    # engine and oracle built once; the suite's conftest groups them); each engine asks for 15%.
+    local spread=()
+    [ "${PARALLEL:-1}" -ge 2 ] && spread=(-n "$PARALLEL" --dist loadgroup)
+    VLLM_INTERP_ORACLE_DEVICE=cuda OMP_NUM_THREADS=$(($(nproc) / ${PARALLEL:-1})) \
+      $python -m pytest "${report[@]}" "${spread[@]}" --durations=15 \
       packages/vllm-envoys/tests/test_equivalence.py packages/vllm-envoys/tests/test_values.py \
       > "$out/envoys-pytest.txt" 2>&1
   else
@@ -123,7 +128,7 @@ suites() {
       # CI runs on the CPU); every engine of the suite sizes its KV cache outright
       # (conftest.ENGINE_MEMORY), so none profiles memory another frees. The CPU oracles share
       # the host's cores.
-      OMP_NUM_THREADS=$(($(nproc) / PARALLEL > 0 ? $(nproc) / PARALLEL : 1)) \
+      OMP_NUM_THREADS=$(($(nproc) / PARALLEL)) \
         $python -m pytest "${report[@]}" -n "$PARALLEL" --dist loadfile --durations=25 \
         "${files[@]}" > "$out/runner-pytest.txt" 2>&1 || status=1
     else

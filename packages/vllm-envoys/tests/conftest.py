@@ -254,6 +254,17 @@ ORACLE_DEVICE = os.environ.get("VLLM_INTERP_ORACLE_DEVICE", "cpu")
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's `--dist loadgroup` (benchmarks/gpu/check.sh, PARALLEL=n), one
+    family's tests stay on one worker, so its model, oracle and engine are built once."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "family" in callspec.params:
+            item.add_marker(pytest.mark.xdist_group(callspec.params["family"].name))
+
+
 @pytest.fixture(scope="session", params=CASES, ids=lambda case: case.name)
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     from hf_oracle import HFOracle, record

@@ -29,11 +29,13 @@ def start_engine(model_dir: str, **engine: object) -> LLM:
 
     Its KV cache is sized, not profiled: 64 MiB holds four 128-token requests of any family here,
     and starting takes a second less than with a share of the machine's memory (a 2.9 GiB cache
-    to allocate on this CPU), which 19 engines pay one after another."""
+    to allocate on this CPU), which 19 engines pay one after another. On a GPU it asks for 15%
+    of the device (vLLM checks that much is free at start), so engines of several pytest-xdist
+    workers can run side by side there (benchmarks/gpu/check.sh, PARALLEL=n)."""
     return LLM(
         model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        kv_cache_memory_bytes=64 * 2**20, max_model_len=128, max_num_seqs=4,
-        enable_prefix_caching=False, seed=0, **engine,
+        kv_cache_memory_bytes=64 * 2**20, gpu_memory_utilization=0.15, max_model_len=128,
+        max_num_seqs=4, enable_prefix_caching=False, seed=0, **engine,
     )
 
 
