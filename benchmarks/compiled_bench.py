@@ -98,10 +98,6 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     from vllm.inputs import TokensPrompt
 
     if kind == "ours":
-        import torch
-
-        if torch.cuda.is_available():  # our V2 adapter runs eager only so far (issue [K])
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from vllm_runner import LLM
 
         engine: Any = LLM(model, enforce_eager=False, taps=taps[0], graph_taps=taps[1],

@@ -106,27 +106,6 @@ def test_the_server_command_refuses_an_unchecked_release_before_starting_anythin
     assert refused.startswith("vllm-interp serve: ") and "0.19.1" in refused
 
 
-@pytest.mark.parametrize(("on_cpu", "v2_setting", "refused"), [
-    (True, None, False), (False, "0", False), (False, None, True), (False, "1", True)])
-def test_a_compiled_engine_is_refused_where_vllm_would_pick_its_v2_runner(
-        monkeypatch: pytest.MonkeyPatch, on_cpu: bool, v2_setting: str | None,
-        refused: bool) -> None:
-    from vllm.platforms import current_platform
-    from vllm_runner.compat import V2_VARIABLE
-    from vllm_runner.llm import check_compiled_runner
-
-    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: on_cpu)
-    if v2_setting is None:
-        monkeypatch.delenv(V2_VARIABLE, raising=False)
-    else:
-        monkeypatch.setenv(V2_VARIABLE, v2_setting)
-    if refused:
-        with pytest.raises(ValueError, match=f"enforce_eager=False.*{V2_VARIABLE}=0"):
-            check_compiled_runner()
-    else:
-        check_compiled_runner()
-
-
 def test_our_code_imports_only_what_the_installed_vllm_has() -> None:
     """benchmarks/gpu/check_vllm_imports.py, as run before a GPU session against a staged
     release, passes against the vLLM this suite runs on."""

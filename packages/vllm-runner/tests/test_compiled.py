@@ -22,7 +22,6 @@ from test_save import close, transformers_values
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.compat import V2_VARIABLE
 
 # The suite's engine settings (conftest `llm`), compiled: the same steps, so the same rows.
 SETTINGS = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
@@ -128,8 +127,8 @@ torch.save(runs, sys.argv[3])
 @pytest.fixture(scope="module")
 def runs(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Both scripts' results, by name. They run side by side: each spends most of its start in
-    Python (imports, Dynamo's trace), one core each. On vLLM's V1 runner (on a GPU too: the V2
-    adapter runs eager only, and refuses a compiled engine)."""
+    Python (imports, Dynamo's trace), one core each. On the runner vLLM picks (V2 on a GPU, V1
+    with `VLLM_USE_V2_MODEL_RUNNER=0` and on the CPU)."""
     folder = tmp_path_factory.mktemp("compiled")
     inputs = folder / "inputs.pt"
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS]
@@ -140,7 +139,7 @@ def runs(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         with open(folder / f"{name}.log", "w") as log:  # files: a full pipe would block it
             children[name] = subprocess.Popen(
                 [sys.executable, "-c", script, model_dir, str(inputs), str(folder / f"{name}.pt")],
-                env={**engine_script_environment(), V2_VARIABLE: "0"},
+                env=engine_script_environment(),
                 stdout=log, stderr=subprocess.STDOUT)
     for name, child in children.items():
         child.wait(timeout=900)

@@ -11,7 +11,6 @@ import sys
 
 import torch
 from test_add import steered_greedy
-from vllm_runner.compat import V2_VARIABLE
 
 SCRIPT = """
 import json, sys
@@ -78,9 +77,8 @@ def preempted_run(model_dir: str, *extra: str, environment: dict[str, str] | Non
 
 
 def test_steering_from_a_compiled_graph_survives_preemption(model_dir: str, reference) -> None:
-    # On V1 (a GPU's default runner, V2, refuses compiled engines so far).
     vector = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 3.0
-    result = preempted_run(model_dir, json.dumps(vector.tolist()), environment={V2_VARIABLE: "0"})
+    result = preempted_run(model_dir, json.dumps(vector.tolist()))
     forwards = result["forwards"]
     assert forwards["eager"] == forwards["taps"] == 0 < forwards["in_graph"], forwards
     for index, (prompt, tokens, error) in enumerate(

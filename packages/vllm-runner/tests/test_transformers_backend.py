@@ -17,7 +17,6 @@ from conftest import PROMPTS, engine_script_environment, greedy
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.compat import V2_VARIABLE
 
 GENERATED = 3
 VALUES = ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs")
@@ -63,10 +62,8 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 def test_attention_values_on_the_backend_equal_vllms_own_code(llm, model_dir, reference,
                                                                tmp_path, engine: str) -> None:
     path = tmp_path / "backend.pt"
-    # Compiled on vLLM's V1 runner, on a GPU too: the V2 adapter refuses a compiled engine.
-    runner = {} if engine == "eager" else {V2_VARIABLE: "0"}
     subprocess.run([sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), str(path),
-                    engine], check=True, env={**engine_script_environment(), **runner},
+                    engine], check=True, env=engine_script_environment(),
                    timeout=600)
     runs = torch.load(path)
     forwards = runs["forwards"]

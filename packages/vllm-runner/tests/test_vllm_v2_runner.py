@@ -1,15 +1,21 @@
-"""The V2 runner's adapter without a GPU: its layout from V2's `InputBatch` and its bookkeeping
-of programs and KV blocks, on fakes shaped like vLLM's objects; and that the methods it
-overrides still exist on the V2 runner of the installed vLLM (CI's CPU wheel ships it)."""
+"""The V2 runner's adapter without a GPU: its layout from V2's `InputBatch`, its bookkeeping
+of programs and KV blocks, and its CUDA-graph choice on a compiled engine, on fakes shaped like
+vLLM's objects (V2's own `BatchExecutionDescriptor`); and that the methods it overrides still
+exist on the V2 runner of the installed vLLM (CI's CPU wheel ships it)."""
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
+from vllm.config import CUDAGraphMode
+from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
+from vllm_runner import vllm_v2_runner
 from vllm_runner.program import EXTRA_ARGS_KEY, Program
 from vllm_runner.step_plan import NO_ROWS
-from vllm_runner.vllm_v2_runner import RunnerV2Mixin, scheduled_step
+from vllm_runner.vllm_v2_runner import RunnerV2Mixin, scheduled_step, step_graph
 
 OVERRIDDEN = ("load_model", "add_requests", "finish_requests", "update_requests",
               "prepare_inputs", "execute_model")
@@ -18,8 +24,11 @@ OVERRIDDEN = ("load_model", "add_requests", "finish_requests", "update_requests"
 class FakeRuntime:
     """What the adapter asks of the runtime, recorded."""
 
-    def __init__(self, editing: bool = False) -> None:
+    def __init__(self, editing: bool = False, compiled: bool = False,
+                 module_tree: bool = False, tap_python: bool = False) -> None:
         self.editing = editing
+        self.compiled = compiled
+        self.module_tree, self.tap_python = module_tree, tap_python
         self.steps: list[tuple] = []
         self.ended = 0
         self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0}
@@ -38,6 +47,12 @@ class FakeRuntime:
 
     def end_step(self) -> None:
         self.ended += 1
+
+    def needs_module_tree_for(self, programs) -> bool:
+        return self.module_tree
+
+    def needs_tap_python_for(self, programs) -> bool:
+        return self.tap_python
 
 
 def batch(req_ids, counts, firsts, padded=None):
@@ -92,22 +107,31 @@ class V2Stub:
         return args[0]
 
     def execute_model(self, scheduler_output, dummy_run=False):
+        """V2's order: its requests added, the graph dispatched, inputs prepared, the model
+        called (unless a full graph replays)."""
         self.calls.append("execute")
-        if not dummy_run:
-            self.prepare_inputs(scheduler_output)
+        if dummy_run:
+            return None
+        manager = getattr(self, "cudagraph_manager", None)
+        chosen = manager and manager.dispatch(3, 3, 1, num_active_loras=0, max_query_len=1)
+        self.prepare_inputs(scheduler_output)
+        if chosen is not None and chosen.cg_mode != CUDAGraphMode.FULL:
+            self._interp_before_forward(None, ())
+        return chosen
 
 
 class Runner(RunnerV2Mixin, V2Stub):
     pass
 
 
-def runner(editing: bool) -> Runner:
+def runner(editing: bool, **runtime: bool) -> Runner:
     from vllm_runner.kv_blocks import WrittenBlocks
 
     made = Runner()
-    made.interp = FakeRuntime(editing)  # type: ignore[assignment]
+    made.interp = FakeRuntime(editing, **runtime)  # type: ignore[assignment]
+    made.interp_compiles = made.interp.compiled  # type: ignore[attr-defined]
     made.interp_written, made.interp_editing = WrittenBlocks(), set()
-    made.interp_programs, made.interp_in_step = {}, False
+    made.interp_programs, made.interp_in_step, made.interp_module_tree = {}, False, False
     zeroed: list[list[int]] = []
     made._interp_zero_blocks = lambda ids: (zeroed.append(ids), made.calls.append("zero"))  # type: ignore[method-assign]
     made.zeroed = zeroed  # type: ignore[attr-defined]
@@ -162,7 +186,7 @@ def test_the_step_ends_only_after_a_real_batch_was_prepared() -> None:
     assert made.interp.ended == 0 and made.interp.steps == []  # type: ignore[attr-defined]
     made.execute_model(step)
     assert made.interp.ended == 1 and len(made.interp.steps) == 1  # type: ignore[attr-defined]
-    # Counted once, as eager: the V2 adapter runs no compiled forward.
+    # Counted once, as eager: this engine does not compile.
     assert made.interp.forwards == {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 1}  # type: ignore[attr-defined]
 
 
@@ -172,3 +196,82 @@ def test_the_v2_runner_of_the_installed_vllm_has_every_method_the_adapter_wraps(
     missing = [name for name in (*OVERRIDDEN, "_init_kv_zero_meta")
                if not callable(getattr(GPUModelRunner, name, None))]
     assert missing == []
+
+
+def descriptor(mode: CUDAGraphMode, tokens: int = 4, requests: int | None = 4,
+               uniform: int | None = 1) -> BatchExecutionDescriptor:
+    return BatchExecutionDescriptor(cg_mode=mode, num_tokens=tokens, num_reqs=requests,
+                                    uniform_token_count=uniform, max_query_len=uniform)
+
+
+FULL, PIECES = descriptor(CUDAGraphMode.FULL), descriptor(CUDAGraphMode.PIECEWISE, requests=None,
+                                                          uniform=None)
+NONE = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=3, num_reqs=3)
+
+
+@pytest.mark.parametrize(("programs", "needs", "chosen", "again", "expected", "tree"), [
+    ([], "module tree", FULL, FULL, FULL, False),  # no program: V2's choice, untouched
+    (["p"], "", FULL, FULL, FULL, False),  # served inside the graph: a full graph replays
+    (["p"], "module tree", FULL, PIECES, NONE, True),  # hooks elsewhere: no graph, no compile
+    (["p"], "module tree", PIECES, PIECES, NONE, True),
+    (["p"], "tap python", FULL, PIECES, PIECES, False),  # the taps run between the pieces
+    (["p"], "tap python", PIECES, FULL, PIECES, False),
+    (["p"], "tap python", FULL, FULL, NONE, False),  # no piecewise graph: none at all
+    (["p"], "module tree", NONE, NONE, NONE, False),  # V2 runs none anyway
+])
+def test_a_compiled_step_keeps_v2s_graph_unless_its_programs_need_the_module_tree_or_a_taps_python(
+        programs, needs, chosen, again, expected, tree) -> None:
+    runtime = FakeRuntime(compiled=True, module_tree=needs == "module tree",
+                          tap_python=needs == "tap python")
+    picked, module_tree = step_graph(runtime, programs, chosen, 3, 3,  # type: ignore[arg-type]
+                                     lambda: again)
+    assert (picked, module_tree) == (expected, tree)
+
+
+class FakeGraphs:
+    """V2's CUDA-graph manager, choosing a full graph for uniform decodes (as V2 does)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras,
+                 max_query_len=None, num_ubatches=1):
+        self.asked.append((uniform_token_count, max_query_len))
+        return FULL if uniform_token_count is not None and max_query_len is not None else PIECES
+
+
+@pytest.mark.parametrize(("needs", "mode", "skipped", "counted"), [
+    ("module tree", CUDAGraphMode.NONE, True, "eager"),
+    ("tap python", CUDAGraphMode.PIECEWISE, False, "taps"),
+    ("", CUDAGraphMode.FULL, False, "taps"),
+])
+def test_a_compiled_step_with_programs_runs_the_graph_its_programs_allow(
+        monkeypatch: pytest.MonkeyPatch, needs: str, mode: CUDAGraphMode, skipped: bool,
+        counted: str) -> None:
+    """Through the mixin: V2's dispatch is asked through `step_graph` during the step only, a
+    step that needs the module tree skips vLLM's compiled forward as the model is called, and
+    the forward is counted by what it runs."""
+    context = SimpleNamespace(skip_compiled=False)
+    monkeypatch.setattr(vllm_v2_runner, "get_forward_context", lambda: context)
+    made = runner(editing=False, compiled=True, module_tree=needs == "module tree",
+                  tap_python=needs == "tap python")
+    graphs = made.cudagraph_manager = FakeGraphs()  # type: ignore[attr-defined]
+    made.add_requests(scheduler_output(new=[new_request("a", [1], "pa")]))
+    step = batch(["a"], [1], [4])
+    step.num_scheduled_tokens = {"a": 1}
+    assert made.execute_model(step).cg_mode == mode
+    assert context.skip_compiled is skipped
+    assert made.interp.forwards[counted] == 1  # type: ignore[attr-defined]
+    assert "dispatch" not in vars(graphs)  # V2's own method again after the step
+    assert made.interp_module_tree is False
+
+
+def test_v2s_graph_dispatch_still_takes_what_the_adapter_passes() -> None:
+    """`step_graph` asks again with `uniform_token_count` positional and `max_query_len` by
+    name, as `execute_model` does; and V2's descriptor has the fields it replaces."""
+    names = list(inspect.signature(CudaGraphManager.dispatch).parameters)
+    assert names[1:4] == ["num_reqs", "num_tokens", "uniform_token_count"]
+    assert "max_query_len" in names
+    fields = BatchExecutionDescriptor.__dataclass_fields__
+    assert {"cg_mode", "num_tokens", "num_reqs", "uniform_token_count", "max_query_len"} <= set(
+        fields)

@@ -22,7 +22,7 @@ from tokenspan import ReadMode
 from vllm import SamplingParams
 
 from vllm_runner import engine_rpc, vllm_client, wire
-from vllm_runner.compat import V2_VARIABLE, check_version
+from vllm_runner.compat import check_version
 from vllm_runner.engine_start import start
 from vllm_runner.errors import EngineDied, LocationError
 from vllm_runner.op_limits import check_op_fits
@@ -88,9 +88,7 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
         os.environ[DEVICE_SAVES_VARIABLE] = str(interp_device_saves_mib)
     read_mode()
     device_saves_limit()
-    if engine.get("enforce_eager") is False:
-        check_compiled_runner()
-    else:
+    if engine.get("enforce_eager") is not False:
         engine["enforce_eager"] = True
     if model is None:
         from vllm_runner.embedded import default_model
@@ -112,19 +110,6 @@ def tap_patterns(taps: str | Sequence[str], argument: str = "taps") -> list[str]
         raise ValueError(f"{argument}={taps!r}: give location patterns as strings, e.g. "
                          f"{argument}=['layers.*.layer_output']")
     return list(given)
-
-
-def check_compiled_runner() -> None:
-    """Refuse `enforce_eager=False` where vLLM would pick its V2 runner (a GPU, unless
-    `VLLM_USE_V2_MODEL_RUNNER=0`): only the V1 adapter runs steps with programs uncompiled yet,
-    and a CUDA-graph replay would run no hook. The worker refuses it too (`runner_attach`); here
-    the message comes before an engine is built."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() and os.environ.get(V2_VARIABLE) != "0":
-        raise ValueError(f"enforce_eager=False runs steps with programs uncompiled on vLLM's V1 "
-                         f"runner only so far (issue [K]); set {V2_VARIABLE}=0 before starting "
-                         "the engine, or leave enforce_eager at its default (True)")
 
 
 def _is_token_ids(prompt: Any) -> bool:

@@ -12,9 +12,7 @@ from typing import Any
 
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
-from vllm_runner.compat import V2_VARIABLE, check_engine_config, check_runner
-from vllm_runner.errors import UnsupportedEngine
-from vllm_runner.runtime_loading import compiles
+from vllm_runner.compat import check_engine_config, check_runner
 from vllm_runner.vllm_v1_runner import RunnerMixin
 
 
@@ -32,11 +30,6 @@ def attach(runner: Any) -> None:
         from vllm_runner.vllm_v2_runner import RunnerV2Mixin
 
         check_runner(runner, (V1ModelRunner, V2ModelRunner))
-        if compiles(runner.vllm_config):
-            raise UnsupportedEngine(
-                "vllm-runner runs steps with programs uncompiled on vLLM's V1 runner only so "
-                f"far (issue [K]); on the V2 runner start the engine with enforce_eager=True "
-                f"(the default of vllm_runner.LLM), or set {V2_VARIABLE}=0 for V1")
         mixin = RunnerV2Mixin
     base = type(runner)
     runner.__class__ = type(f"Interp{base.__name__}", (mixin, base), {})

@@ -14,14 +14,26 @@ row offsets `query_start_loc_np`, and first positions `num_computed_tokens_np`, 
 so that V2's run-ahead (async scheduling) is not stalled by a device read; `execute_model`
 brackets the forward. The sampler's `compute_logits` runs later, in `sample_tokens`, where the
 runtime's logits hook serves the sampled rows as under V1.
+
+Where vLLM compiles the model (`enforce_eager=False`), the step's CUDA-graph choice is V2's own
+(`cudagraph_manager.dispatch`, asked once per real step inside `execute_model`, after
+`add_requests`) except for steps with programs: none where a program acts at a location no tap
+serves — and the forward context's `skip_compiled`, the switch vLLM uses for encoder inputs, is
+set as the model is called, so the plain module tree and its hooks run — and no full graph where a
+tap's Python must run (the taps run between the piecewise graphs' pieces). The same rules as the
+V1 adapter's, at V2's own decision points.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tokenspan import StepLayout
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context
 
 from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
 from vllm_runner.program import ProgramData, program_data
@@ -57,21 +69,57 @@ def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept],
     return layout, scheduled
 
 
+def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_tokens: int,
+               num_reqs: int, redispatch: Any) -> tuple[Any, bool]:
+    """The CUDA-graph descriptor a compiled step with `programs` runs, from V2's own choice
+    `chosen`, and whether the step must run the plain module tree: V2's choice where the graph
+    serves every program (or none runs); no graph where one acts at a location no tap serves;
+    else no full graph (a full graph replays the taps' kernels without their Python): V2's choice
+    for the batch as if it held a prefill (`redispatch()`, which rules out the full decode graphs),
+    or no graph if that too is full."""
+    if not programs or chosen.cg_mode == CUDAGraphMode.NONE:
+        return chosen, False
+    if runtime.needs_module_tree_for(programs):
+        return _no_graph(chosen, num_tokens, num_reqs), True
+    if chosen.cg_mode != CUDAGraphMode.FULL or not runtime.needs_tap_python_for(programs):
+        return chosen, False
+    pieces = redispatch()
+    return (pieces if pieces.cg_mode != CUDAGraphMode.FULL
+            else _no_graph(chosen, num_tokens, num_reqs)), False
+
+
+def _no_graph(chosen: Any, num_tokens: int, num_reqs: int) -> Any:
+    """The descriptor V2 itself builds for a step it runs without a CUDA graph (`need_eager`)."""
+    return dataclasses.replace(chosen, cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
+                               num_reqs=num_reqs, uniform_token_count=None, max_query_len=None)
+
+
 class RunnerV2Mixin:
     """Put in front of vLLM's V2 model runner class by `runner_attach.attach`."""
 
     interp: Runtime
+    interp_compiles: bool  # whether vLLM compiled the model (`runtime_loading.compiles`)
     interp_written: WrittenBlocks
     interp_editing: set[str]
     interp_programs: dict[str, Kept]
     interp_in_step: bool
+    interp_module_tree: bool  # this step runs the plain module tree (`step_graph`)
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)  # type: ignore[misc]
         load_runtime(self)
         self.interp_programs = {}  # V2 keeps no SamplingParams: the programs are kept here
-        self.interp_in_step = False
+        self.interp_in_step = self.interp_module_tree = False
+        if self.interp_compiles:
+            self.get_model().register_forward_pre_hook(  # type: ignore[attr-defined]
+                self._interp_before_forward)
         return result
+
+    def _interp_before_forward(self, *_: Any) -> None:
+        """As V2 calls the model (no full graph): a step that must run the plain module tree
+        skips vLLM's compiled forward (`skip_compiled`), so its hooks run."""
+        if self.interp_module_tree:
+            get_forward_context().skip_compiled = True
 
     def add_requests(self, scheduler_output: Any) -> None:
         """V2's own, then keep each added request's program (a request re-added after
@@ -135,17 +183,54 @@ class RunnerV2Mixin:
         batch = super().prepare_inputs(*args, **kwargs)  # type: ignore[misc]
         layout, scheduled = scheduled_step(self.interp, self.interp_programs, batch)
         self.interp.begin_step(layout, scheduled)
-        # V2 runs eager only (`runner_attach`)
-        self.interp.count_forward(compiled=False, programs=bool(scheduled))
+        self.interp.count_forward(compiled=self.interp_compiles and not self.interp_module_tree,
+                                  programs=bool(scheduled))
         self.interp_in_step = True
         return batch
 
-    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        """One step of V2; the step's token rows are forgotten when it ends (the sampled rows
-        wait for `sample_tokens`)."""
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """One step of V2, its CUDA graph chosen by `step_graph` on a compiled engine; the
+        step's token rows are forgotten when it ends (the sampled rows wait for
+        `sample_tokens`)."""
         try:
-            return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+            with self._interp_graph_choice(scheduler_output):
+                return super().execute_model(  # type: ignore[misc]
+                    scheduler_output, *args, **kwargs)
         finally:
+            self.interp_module_tree = False
             if self.interp_in_step:
                 self.interp_in_step = False
                 self.interp.end_step()
+
+    @contextlib.contextmanager
+    def _interp_graph_choice(self, scheduler_output: Any) -> Iterator[None]:
+        """Within the block, V2's CUDA-graph dispatch for this step goes through `step_graph`
+        (on a compiled engine whose runtime knows it; a test tells it otherwise on purpose).
+        Dummy, profiling and capture runs schedule no request, so they keep V2's choice."""
+        manager: Any = getattr(self, "cudagraph_manager", None)
+        if manager is None or not self.interp.compiled:
+            yield
+            return
+        dispatch = manager.dispatch
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+
+        def interp_dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
+                            *args: Any, **kwargs: Any) -> Any:
+            chosen = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+            programs = [kept[0] for request_id in scheduled
+                        if (kept := self.interp_programs.get(request_id)) is not None]
+            chosen, self.interp_module_tree = step_graph(
+                self.interp, programs, chosen, num_tokens, num_reqs,
+                lambda: dispatch(num_reqs, num_tokens, None, *args,
+                                 **{**kwargs, "max_query_len": None}))
+            return chosen
+
+        own = vars(manager).get("dispatch")
+        manager.dispatch = interp_dispatch
+        try:
+            yield
+        finally:
+            if own is None:
+                del manager.dispatch  # the class's method again
+            else:
+                manager.dispatch = own
