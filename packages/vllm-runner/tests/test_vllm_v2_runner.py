@@ -217,7 +217,8 @@ NONE = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=3, num_re
     (["p"], "tap python", FULL, PIECES, PIECES, False),  # the taps run between the pieces
     (["p"], "tap python", PIECES, FULL, PIECES, False),
     (["p"], "tap python", FULL, FULL, NONE, False),  # no piecewise graph: none at all
-    (["p"], "module tree", NONE, NONE, NONE, False),  # V2 runs none anyway
+    (["p"], "module tree", NONE, NONE, NONE, True),  # no graph, but compiled: skip that too
+    (["p"], "tap python", NONE, FULL, NONE, False),
 ])
 def test_a_compiled_step_keeps_v2s_graph_unless_its_programs_need_the_module_tree_or_a_taps_python(
         programs, needs, chosen, again, expected, tree) -> None:

@@ -77,10 +77,11 @@ def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_t
     else no full graph (a full graph replays the taps' kernels without their Python): V2's choice
     for the batch as if it held a prefill (`redispatch()`, which rules out the full decode graphs),
     or no graph if that too is full."""
-    if not programs or chosen.cg_mode == CUDAGraphMode.NONE:
+    if not programs:
         return chosen, False
-    if runtime.needs_module_tree_for(programs):
-        return _no_graph(chosen, num_tokens, num_reqs), True
+    if runtime.needs_module_tree_for(programs):  # also where V2 picked no graph: still compiled
+        return (chosen if chosen.cg_mode == CUDAGraphMode.NONE
+                else _no_graph(chosen, num_tokens, num_reqs)), True
     if chosen.cg_mode != CUDAGraphMode.FULL or not runtime.needs_tap_python_for(programs):
         return chosen, False
     pieces = redispatch()
