@@ -18,6 +18,9 @@ import time
 
 import pytest
 from conftest import PROMPTS, as_in_a_terminal, greedy
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import ops
 
 SCRIPT = """
 import json, sys, time
@@ -102,3 +105,30 @@ def test_ctrl_c_returns_within_seconds_and_a_new_llm_works(model_dir, reference,
         assert lines.get("SAME") == expected, output
     assert lines.get("SECOND") == expected, output
     assert child.returncode == 0, output
+
+
+def test_an_interrupt_between_a_steps_forward_and_its_sampling_leaves_the_same_llm_working(
+        llm, reference) -> None:
+    """Where the Ctrl-C above can land on a loaded machine (seen once, with the suite's engine
+    compiled): vLLM's in-process engine core runs a step's forward, then its sampling, in two
+    calls; a `KeyboardInterrupt` between them left its runner refusing every later step. Here it
+    lands there on purpose, on the suite's in-process engine."""
+    executor = llm.engine.llm_engine.model_executor
+
+    def interrupted(*args, **kwargs):
+        del executor.sample_tokens  # once: the executor's own method again
+        raise KeyboardInterrupt
+
+    executor.sample_tokens = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])],
+                     SamplingParams(max_tokens=4, temperature=0.0),
+                     interventions=[ops.Save("layers.0.layer_output")], use_tqdm=False)
+    assert "sample_tokens" not in vars(executor)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[2])],
+                          SamplingParams(max_tokens=3, temperature=0.0),
+                          interventions=[ops.Save("layers.0.layer_output")], use_tqdm=False)
+    assert out.error is None
+    assert list(out.outputs[0].token_ids) == greedy(reference, PROMPTS[2], 3)
+    (held,) = llm.engine.collective_rpc("interp_held")
+    assert not any(held.values()), held  # the cut call's saves were freed too

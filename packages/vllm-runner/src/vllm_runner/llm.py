@@ -358,6 +358,8 @@ class LLM:
         added = vllm_client.request_ids_since(self.engine, first)
         if added and not engine_rpc.is_dead(self.engine):
             vllm_client.abort(self.engine, added)
+            if vllm_client.runs_in_process(self.engine):  # no step runs while we are here
+                self._rpc("interp_forget_cut_step", (), engine_rpc.CLEANUP_TIMEOUT_S)
         if dropped := [program_id for program_id in program_ids if program_id]:
             self._rpc("interp_drop", (dropped,), engine_rpc.CLEANUP_TIMEOUT_S)
 

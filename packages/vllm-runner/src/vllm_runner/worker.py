@@ -55,6 +55,14 @@ class WorkerRPC:
         """Free the saves of requests that will never be collected."""
         self.model_runner.interp.drop(program_ids)
 
+    def interp_forget_cut_step(self) -> None:
+        """After a Ctrl-C stopped an in-process engine between a step's forward and its sampling
+        (vLLM samples in a second call): forget that step, whose requests are aborted, or vLLM's
+        runner refuses every later step ("sample_tokens() must be called after
+        execute_model() returns None"). Nothing to do when no step was cut there."""
+        if getattr(self.model_runner, "execute_model_state", None) is not None:
+            self.model_runner.execute_model_state = None
+
     def interp_held(self) -> dict[str, int]:
         """What this worker holds for requests not collected yet (`SaveStore.held`)."""
         return self.model_runner.interp.store.held()
