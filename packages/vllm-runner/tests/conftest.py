@@ -78,6 +78,20 @@ def reference(model_dir: str) -> LlamaForCausalLM:
 # memory meanwhile (vLLM's "Error in memory profiling"), and on the lent GPU the suite's slices
 # run side by side (`benchmarks/gpu/check.sh`, PARALLEL). Scripts spell the same out.
 ENGINE_MEMORY = {"gpu_memory_utilization": 0.15, "kv_cache_memory_bytes": 64 << 20}
+# The suite's engine compiled as vLLM's default engine is (issue [K]: the suite passes with graphs
+# on and with enforce_eager=True): `VLLM_INTERP_SUITE_COMPILED=1`, as `nox -s tests_compiled` sets.
+SUITE_COMPILED_VARIABLE = "VLLM_INTERP_SUITE_COMPILED"
+SUITE_COMPILED = os.environ.get(SUITE_COMPILED_VARIABLE) == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With the suite's engine compiled (`SUITE_COMPILED`), only the tests that use it run: the
+    others start engines of their own, the same with it or without."""
+    if not SUITE_COMPILED:
+        return
+    kept = [item for item in items if "llm" in getattr(item, "fixturenames", ())]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +102,7 @@ def llm(model_dir: str, reference):  # the reference loads first; the engine the
     # KV blocks (the CPU kernel's smallest) let prompts of a few dozen tokens share cache blocks.
     return LLM(model_dir, dtype="float32", **ENGINE_MEMORY,
                max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32,
-               seed=0)
+               seed=0, enforce_eager=not SUITE_COMPILED)
 
 
 @torch.no_grad()
@@ -140,14 +154,24 @@ def user_environment() -> dict[str, str]:
     """This process's environment without the variables the test suite sets for its own
     engines (conftest): what a user's shell has."""
     return {name: value for name, value in os.environ.items()
-            if name not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TRITON_F32_DEFAULT")}
+            if name not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "TRITON_F32_DEFAULT",
+                            SUITE_COMPILED_VARIABLE)}
 
 
 def suite_numerics() -> dict[str, str]:
     """The numerics this suite's engines use (IEEE float32 in Triton), for another engine whose
     values are compared with theirs: in the user's default (TF32) a float32 GPU engine's values
-    are ~1e-3 from the suite's (measured on the H200), which no comparison of ours allows."""
-    return {name: os.environ[name] for name in ("TRITON_F32_DEFAULT",) if name in os.environ}
+    are ~1e-3 from the suite's (measured on the H200), which no comparison of ours allows. With
+    it, whether the suite's engine is compiled (`SUITE_COMPILED`): a compiled engine runs
+    vLLM's native torch ops where an eager one runs its custom kernels, last bits apart; an
+    engine script reads it with `suite_eager()`."""
+    return {name: os.environ[name] for name in ("TRITON_F32_DEFAULT", SUITE_COMPILED_VARIABLE)
+            if name in os.environ}
+
+
+#: For an engine script: `enforce_eager=` as the suite's own engine has it (`suite_numerics`).
+SUITE_EAGER_IN_SCRIPT = f'__import__("os").environ.get("{SUITE_COMPILED_VARIABLE}") != "1"'
+
 
 
 def engine_script_environment() -> dict[str, str]:

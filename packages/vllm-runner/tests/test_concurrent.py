@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from conftest import LOGPROB_TOLERANCE, SUITE_COMPILED, SUITE_EAGER_IN_SCRIPT
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
@@ -130,7 +131,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+    llm = LLM(sys.argv[1], skip_tokenizer_init=True, enforce_eager=SUITE_EAGER, dtype="float32",
               gpu_memory_utilization=0.15, kv_cache_memory_bytes=64 << 20,
               max_model_len=128, max_num_seqs=8,
               max_num_batched_tokens=8, block_size=32, seed=0)
@@ -142,7 +143,7 @@ if __name__ == "__main__":
          "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                       for step in o.outputs[0].logprobs]}
         for o in outputs]))
-"""
+""".replace("SUITE_EAGER", SUITE_EAGER_IN_SCRIPT)
 
 
 def test_program_free_requests_equal_the_bare_engine(outputs, model_dir: str) -> None:
@@ -153,10 +154,16 @@ def test_program_free_requests_equal_the_bare_engine(outputs, model_dir: str) ->
     lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"the bare engine failed:\n{completed.stderr[-3000:]}"
     bare = json.loads(lines[0].removeprefix("RESULT "))
+    # Bit for bit on the eager engine. On the compiled one, a step with a program at a location
+    # no tap serves runs the plain module tree for the whole batch (tier 1), and these requests
+    # share such steps: the same tokens, log-probabilities within LOGPROB_TOLERANCE (seen: 2e-7).
+    tolerance = LOGPROB_TOLERANCE if SUITE_COMPILED else 0.0
     for index in NO_PROGRAM:
         ours = outputs[index].outputs[0]
         assert list(ours.token_ids) == bare[index]["tokens"], f"request {index}"
         for step, expected in zip(ours.logprobs, bare[index]["logprobs"], strict=True):
-            assert {str(t): lp.logprob for t, lp in step.items()} == expected  # bit for bit
+            found = {str(t): lp.logprob for t, lp in step.items()}
+            assert found.keys() == expected.keys(), f"request {index}"
+            assert all(abs(found[t] - expected[t]) <= tolerance for t in found), (found, expected)
     steered = {str(t): lp.logprob for t, lp in outputs[3].outputs[0].logprobs[1].items()}
     assert steered != bare[3]["logprobs"][1], "the steering did nothing"

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import subprocess
 import sys
 
 import pytest
 from vllm_runner import serve_command as module
-from vllm_runner.serve_command import _ranks, plugins_setting, serve_command
+from vllm_runner.serve_command import _ranks, plugins_setting, serve_command, with_taps
+from vllm_runner.settings import GRAPH_TAPS_KEY, TAPS_KEY
 
 MODEL = "/models/tiny-llama"
 KV_BYTES = 3 * 2**30
@@ -62,11 +64,35 @@ def test_users_enforce_eager_is_not_duplicated(on_cpu: bool) -> None:
     assert command.index("--enforce-eager") == 2  # the user's own, where they put it
 
 
-@pytest.mark.parametrize("refused", [["--no-enforce-eager"], ["--port", "1", "--no-enforce-eager"]])
+@pytest.mark.parametrize("given", [["--no-enforce-eager"], ["--port", "1", "--no-enforce-eager"]])
 @pytest.mark.parametrize("on_cpu", [True, False])
-def test_no_enforce_eager_is_refused_naming_it(refused: list[str], on_cpu: bool) -> None:
-    with pytest.raises(ValueError, match="--no-enforce-eager"):
-        serve_command(MODEL, refused, on_cpu, KV_BYTES)
+def test_no_enforce_eager_runs_vllms_compiled_engine(given: list[str], on_cpu: bool) -> None:
+    """As `LLM(enforce_eager=False)`: the user's choice is kept and no `--enforce-eager` added."""
+    command = serve_command(MODEL, given, on_cpu, KV_BYTES)
+    assert "--enforce-eager" not in command and command.count("--no-enforce-eager") == 1
+
+
+def test_taps_become_the_engines_additional_config_merged_into_the_users() -> None:
+    options = ["--port", "1", "--interp-taps", "layers.*.layer_output, layers.1.mlp_neurons",
+               "--additional-config={\"mine\": 1}", "--interp-graph-taps=layers.*.layer_output"]
+    changed = with_taps(options)
+    (config,) = values_of(changed, "--additional-config")
+    assert json.loads(config) == {
+        "mine": 1, TAPS_KEY: ["layers.*.layer_output", "layers.1.mlp_neurons"],
+        GRAPH_TAPS_KEY: ["layers.*.layer_output"]}
+    assert changed[:2] == ["--port", "1"] and not any("--interp-" in one for one in changed)
+    assert with_taps(["--port", "1", "--additional-config", "{}"]) == [
+        "--port", "1", "--additional-config", "{}"]  # no taps: the user's options as given
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    (["--interp-taps"], "--interp-taps needs a value"),
+    (["--interp-taps", " , "], "give location patterns"),
+    (["--interp-taps", "layers.0.layer_output", "--additional-config", "[1]"], "a JSON object"),
+    (["--interp-graph-taps=x", "--additional-config", "{oops"], "is not JSON")])
+def test_bad_tap_options_are_refused_naming_them(given: list[str], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        with_taps(given)
 
 
 def test_cpu_gets_a_kv_cache_when_the_user_sized_none() -> None:

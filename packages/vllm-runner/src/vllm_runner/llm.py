@@ -32,11 +32,10 @@ from vllm_runner.runtime import finished_request
 from vllm_runner.samples import Fanned, fan_keywords, label_completions, merge, sample_params
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
-    GRAPH_TAPS_KEY,
     READS_VARIABLE,
-    TAPS_KEY,
     device_saves_limit,
     read_mode,
+    taps_config,
 )
 from vllm_runner.trace import Trace
 
@@ -77,10 +76,9 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
     check_version(vllm.__version__)
     if taps is not None or graph_taps is not None:
         in_graph = [] if graph_taps is None else tap_patterns(graph_taps, "graph_taps")
-        every = [*([] if taps is None else tap_patterns(taps)), *in_graph]
-        engine["additional_config"] = {**(engine.get("additional_config") or {}),
-                                       TAPS_KEY: list(dict.fromkeys(every)),
-                                       GRAPH_TAPS_KEY: in_graph}
+        engine["additional_config"] = {
+            **(engine.get("additional_config") or {}),
+            **taps_config([] if taps is None else tap_patterns(taps), in_graph)}
     if interp_reads is not None:
         os.environ[READS_VARIABLE] = read_mode(interp_reads)
     if interp_device_saves_mib is not None:

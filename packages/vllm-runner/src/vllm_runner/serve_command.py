@@ -2,20 +2,25 @@
 interpretability worker and routes (`vllm_runner.server`) and the engine settings hooks need.
 
 Every `vllm serve` option keeps its meaning; this adds only what the user left out:
-`--worker-cls` (the worker that runs programs), `--enforce-eager` (forward hooks do not fire in
-compiled graphs), on a CPU a KV cache that fits the machine (as `LLM` does), and `vllm_interp`
-in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin. The `--interp-*` options are the
-operator's settings of the interventions (`server_settings`), taken out before vLLM parses.
+`--worker-cls` (the worker that runs programs), `--enforce-eager` unless the user asked for
+`--no-enforce-eager` (as `LLM`'s default; compiled, steps with programs at locations no tap
+serves run uncompiled, the rest compiled), on a CPU a KV cache that fits the machine (as `LLM`
+does), and `vllm_interp` in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin.
+`--interp-taps` / `--interp-graph-taps` become the engine's taps (`LLM(taps=, graph_taps=)`) in
+vLLM's `--additional-config`; the other `--interp-*` options are the operator's settings of the
+interventions (`server_settings`). Both are taken out before vLLM parses.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
 
 from vllm_runner.server import PLUGIN_NAME
-from vllm_runner.server_settings import ServerSettings, split_options
+from vllm_runner.server_settings import TAP_OPTIONS, ServerSettings, split_options
+from vllm_runner.settings import taps_config
 
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
 CPU_WORKER = "vllm_runner.cpu_worker.InterpCPUWorker"
@@ -41,19 +46,54 @@ def serve_command(model: str, options: Sequence[str], on_cpu: bool,
                   kv_cache_bytes: int | None) -> list[str]:
     """The `vllm serve` arguments for `vllm-interp serve MODEL OPTIONS` (pure: tested as is).
     `kv_cache_bytes` is the CPU KV cache to ask for when the user sized none."""
-    if _given(options, "--no-enforce-eager"):
-        raise ValueError("vllm-interp serve needs --enforce-eager: forward hooks do not fire "
-                         "inside compiled graphs or CUDA-graph replays; drop --no-enforce-eager")
     command = ["serve", model, *options]
     if not _given(options, "--worker-cls"):
         command += ["--worker-cls", CPU_WORKER if on_cpu else GPU_WORKER]
-    if not _given(options, "--enforce-eager"):
+    if not _given(options, "--enforce-eager") and not _given(options, "--no-enforce-eager"):
         command.append("--enforce-eager")
     sized = _given(options, "--gpu-memory-utilization") or _given(options,
                                                                   "--kv-cache-memory-bytes")
     if on_cpu and not sized and kv_cache_bytes is not None:
         command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     return command
+
+
+def with_taps(options: Sequence[str]) -> list[str]:
+    """The options with `--interp-taps PATTERNS` and `--interp-graph-taps PATTERNS`
+    (comma-separated location patterns) turned into vLLM's `--additional-config`, merged into
+    the user's own if given (pure: tested as is); unchanged without them."""
+    rest: list[str] = []
+    taps: dict[str, list[str]] = {name: [] for name in TAP_OPTIONS}
+    config_text = None
+    pending = list(options)
+    while pending:
+        option = pending.pop(0)
+        name, has_value, value = option.partition("=")
+        if name not in taps and name != "--additional-config":
+            rest.append(option)
+            continue
+        if not has_value:
+            if not pending:
+                raise ValueError(f"{name} needs a value")
+            value = pending.pop(0)
+        if name == "--additional-config":
+            config_text = value
+            continue
+        patterns = [pattern.strip() for pattern in value.split(",") if pattern.strip()]
+        if not patterns:
+            raise ValueError(f"{name} {value!r}: give location patterns, comma-separated, e.g. "
+                             f"{name} 'layers.*.layer_output'")
+        taps[name] += patterns
+    if not any(taps.values()):
+        return list(options)
+    try:
+        config = json.loads(config_text) if config_text is not None else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--additional-config {config_text!r} is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--additional-config {config_text!r}: give a JSON object")
+    config.update(taps_config(taps["--interp-taps"], taps["--interp-graph-taps"]))
+    return [*rest, "--additional-config", json.dumps(config)]
 
 
 def plugins_setting(current: str | None) -> str:
@@ -105,7 +145,7 @@ def run_serve(given: Sequence[str]) -> None:
 
     from vllm_runner.engine_start import CPU_KV_CACHE_VARIABLE, default_cpu_kv_cache
 
-    options, interp_environment = split_options(options)
+    options, interp_environment = split_options(with_taps(options))
     on_cpu = current_platform.is_cpu()
     kv_cache_bytes = None
     if on_cpu and not os.environ.get(CPU_KV_CACHE_VARIABLE):

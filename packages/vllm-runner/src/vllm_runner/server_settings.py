@@ -23,6 +23,9 @@ OPTIONS: dict[str, tuple[str, bool]] = {
     "--interp-saves-budget-mib": ("VLLM_INTERP_SERVE_SAVES_BUDGET_MIB", True),
     "--interp-saves-ttl-s": ("VLLM_INTERP_SERVE_SAVES_TTL_S", True),
 }
+#: Options that set the engine's taps (`LLM(taps=, graph_taps=)`), in this order: they travel in
+#: vLLM's `--additional-config` (`serve_command.with_taps`), not in the environment.
+TAP_OPTIONS = ("--interp-taps", "--interp-graph-taps")
 #: The defaults of the options with a number: (value, smallest allowed).
 NUMBERS: dict[str, tuple[float, float]] = {
     "--interp-max-locations": (256, 1),
@@ -48,7 +51,7 @@ def split_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             continue
         if name not in OPTIONS:
             raise ValueError(f"unknown option {name}; vllm-interp serve takes "
-                             f"{', '.join(OPTIONS)} besides vllm serve's own")
+                             f"{', '.join([*OPTIONS, *TAP_OPTIONS])} besides vllm serve's own")
         variable, takes_value = OPTIONS[name]
         if not takes_value:
             if has_value:

@@ -20,6 +20,12 @@ TAPS_KEY = "interp_taps"
 #: The taps whose `Add`s and `Save`s run inside the graph (`LLM(graph_taps=...)`), likewise.
 GRAPH_TAPS_KEY = "interp_graph_taps"
 
+
+def taps_config(taps: list[str], graph_taps: list[str]) -> dict[str, list[str]]:
+    """The taps' entries of vLLM's `additional_config` (`LLM(taps=, graph_taps=)` and
+    `vllm-interp serve --interp-taps/--interp-graph-taps`): every tap once, graph taps included."""
+    return {TAPS_KEY: list(dict.fromkeys([*taps, *graph_taps])), GRAPH_TAPS_KEY: graph_taps}
+
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).
 READS_VARIABLE = "VLLM_INTERP_READS"
 
