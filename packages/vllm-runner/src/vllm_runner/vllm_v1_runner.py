@@ -38,6 +38,7 @@ from vllm_runner.program import ProgramData, program_data
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
+from vllm_runner.swapped import swapped
 
 
 def _extra_args(state: Any) -> dict[str, Any] | None:
@@ -208,15 +209,8 @@ def pieces_only(runner: Any) -> Iterator[None]:
             kwargs["valid_modes"] = {CUDAGraphMode.NONE}
         return dispatch(*args, **kwargs)
 
-    own = vars(dispatcher).get("dispatch")
-    dispatcher.dispatch = without_full
-    try:
+    with swapped(dispatcher, "dispatch", without_full):
         yield
-    finally:
-        if own is None:
-            del dispatcher.dispatch  # the class's method again
-        else:
-            dispatcher.dispatch = own
 
 
 @functools.cache

@@ -40,6 +40,7 @@ from vllm_runner.program import ProgramData, program_data
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
+from vllm_runner.swapped import swapped
 from vllm_runner.vllm_v1_runner import blocks_of, handed_out_blocks
 
 #: A running request's program and its prompt's length, kept from when V2 added it.
@@ -226,12 +227,5 @@ class RunnerV2Mixin:
                                  **{**kwargs, "max_query_len": None}))
             return chosen
 
-        own = vars(manager).get("dispatch")
-        manager.dispatch = interp_dispatch
-        try:
+        with swapped(manager, "dispatch", interp_dispatch):
             yield
-        finally:
-            if own is None:
-                del manager.dispatch  # the class's method again
-            else:
-                manager.dispatch = own
