@@ -79,9 +79,13 @@ def reference(model_dir: str) -> LlamaForCausalLM:
 # run side by side (`benchmarks/gpu/check.sh`, PARALLEL). Scripts spell the same out.
 ENGINE_MEMORY = {"gpu_memory_utilization": 0.15, "kv_cache_memory_bytes": 64 << 20}
 # The suite's engine compiled as vLLM's default engine is (issue [K]: the suite passes with graphs
-# on and with enforce_eager=True): `VLLM_INTERP_SUITE_COMPILED=1`, as `nox -s tests_compiled` sets.
+# on and with enforce_eager=True): `VLLM_INTERP_SUITE_COMPILED=1`, as `nox -s tests` sets for its
+# second pass of vllm-runner. Compiled, it has taps, so the suite's programs run through all three
+# paths: `Add`s and `Save`s at layer outputs inside the graph, other ops there and MLP neurons at
+# the tap op, anything else in the plain module tree.
 SUITE_COMPILED_VARIABLE = "VLLM_INTERP_SUITE_COMPILED"
 SUITE_COMPILED = os.environ.get(SUITE_COMPILED_VARIABLE) == "1"
+SUITE_TAPS = {"taps": ["layers.*.mlp_neurons"], "graph_taps": ["layers.*.layer_output"]}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -102,7 +106,7 @@ def llm(model_dir: str, reference):  # the reference loads first; the engine the
     # KV blocks (the CPU kernel's smallest) let prompts of a few dozen tokens share cache blocks.
     return LLM(model_dir, dtype="float32", **ENGINE_MEMORY,
                max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32,
-               seed=0, enforce_eager=not SUITE_COMPILED)
+               seed=0, **({"enforce_eager": False, **SUITE_TAPS} if SUITE_COMPILED else {}))
 
 
 @torch.no_grad()
@@ -161,17 +165,15 @@ def user_environment() -> dict[str, str]:
 def suite_numerics() -> dict[str, str]:
     """The numerics this suite's engines use (IEEE float32 in Triton), for another engine whose
     values are compared with theirs: in the user's default (TF32) a float32 GPU engine's values
-    are ~1e-3 from the suite's (measured on the H200), which no comparison of ours allows. With
-    it, whether the suite's engine is compiled (`SUITE_COMPILED`): a compiled engine runs
-    vLLM's native torch ops where an eager one runs its custom kernels, last bits apart; an
-    engine script reads it with `suite_eager()`."""
-    return {name: os.environ[name] for name in ("TRITON_F32_DEFAULT", SUITE_COMPILED_VARIABLE)
-            if name in os.environ}
+    are ~1e-3 from the suite's (measured on the H200), which no comparison of ours allows."""
+    return {name: os.environ[name] for name in ("TRITON_F32_DEFAULT",) if name in os.environ}
 
 
-#: For an engine script: `enforce_eager=` as the suite's own engine has it (`suite_numerics`).
-SUITE_EAGER_IN_SCRIPT = f'__import__("os").environ.get("{SUITE_COMPILED_VARIABLE}") != "1"'
-
+#: For a bare vLLM engine's script: `enforce_eager=` as the suite's own engine has it.
+SUITE_EAGER_IN_SCRIPT = repr(not SUITE_COMPILED)
+#: For a script's engine of ours: the keywords that make it compiled with the suite's taps, or
+#: eager, as the suite's own engine is.
+SUITE_ENGINE_IN_SCRIPT = repr({"enforce_eager": False, **SUITE_TAPS} if SUITE_COMPILED else {})
 
 
 def engine_script_environment() -> dict[str, str]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import PROMPTS, SUITE_EAGER_IN_SCRIPT, engine_script_environment
+from conftest import PROMPTS, SUITE_ENGINE_IN_SCRIPT, engine_script_environment
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
@@ -28,7 +28,7 @@ async def main():
     # A small share of a GPU: the test's own offline engine holds memory beside this one.
     engine = AsyncLLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_seqs=8,
                       kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=0.15, seed=0,
-                      enforce_eager=SUITE_EAGER)
+                      **SUITE_ENGINE)
     params = SamplingParams(max_tokens=4, temperature=0.0)
 
     async def last(index, interventions):
@@ -59,7 +59,7 @@ async def main():
 
 if __name__ == "__main__":  # vLLM starts its engine core in a process of its own (spawn)
     asyncio.run(main())
-'''.replace("SUITE_EAGER", SUITE_EAGER_IN_SCRIPT)
+'''.replace("SUITE_ENGINE", SUITE_ENGINE_IN_SCRIPT)
 
 
 def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(

@@ -20,7 +20,14 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import LOGPROB_TOLERANCE, SUITE_COMPILED, same_values, serving, suite_numerics
+from conftest import (
+    LOGPROB_TOLERANCE,
+    SUITE_COMPILED,
+    SUITE_TAPS,
+    same_values,
+    serving,
+    suite_numerics,
+)
 from openai import APIStatusError, BadRequestError, OpenAI
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -55,7 +62,9 @@ def running_server(model_dir: str, folder: Path, *options: str, bare: bool = Fal
                # A small share of a GPU, beside the suite's own engine (no effect on a CPU).
                "--gpu-memory-utilization", "0.15",
                # Compiled or eager as the suite's engine is (`SUITE_COMPILED`), both servers.
-               *(["--no-enforce-eager"] if SUITE_COMPILED and not bare else []),
+               *(["--no-enforce-eager", "--interp-taps", ",".join(SUITE_TAPS["taps"]),
+                  "--interp-graph-taps", ",".join(SUITE_TAPS["graph_taps"])]
+                 if SUITE_COMPILED and not bare else []),
                *(["--enforce-eager"] if bare and not SUITE_COMPILED else []), *options]
     with serving(command, f"http://127.0.0.1:{port}", folder / f"server-{port}.log",
                  environment={**suite_numerics(), **(environment or {})}) as base:
