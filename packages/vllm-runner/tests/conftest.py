@@ -86,6 +86,8 @@ ENGINE_MEMORY = {"gpu_memory_utilization": 0.15, "kv_cache_memory_bytes": 64 << 
 SUITE_COMPILED_VARIABLE = "VLLM_INTERP_SUITE_COMPILED"
 SUITE_COMPILED = os.environ.get(SUITE_COMPILED_VARIABLE) == "1"
 SUITE_TAPS = {"taps": ["layers.*.mlp_neurons"], "graph_taps": ["layers.*.layer_output"]}
+#: The keywords of the suite's engine that make it compiled with those taps, or none (eager).
+SUITE_ENGINE: dict[str, object] = {"enforce_eager": False, **SUITE_TAPS} if SUITE_COMPILED else {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -106,7 +108,7 @@ def llm(model_dir: str, reference):  # the reference loads first; the engine the
     # KV blocks (the CPU kernel's smallest) let prompts of a few dozen tokens share cache blocks.
     return LLM(model_dir, dtype="float32", **ENGINE_MEMORY,
                max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32,
-               seed=0, **({"enforce_eager": False, **SUITE_TAPS} if SUITE_COMPILED else {}))
+               seed=0, **SUITE_ENGINE)
 
 
 @torch.no_grad()
@@ -171,9 +173,8 @@ def suite_numerics() -> dict[str, str]:
 
 #: For a bare vLLM engine's script: `enforce_eager=` as the suite's own engine has it.
 SUITE_EAGER_IN_SCRIPT = repr(not SUITE_COMPILED)
-#: For a script's engine of ours: the keywords that make it compiled with the suite's taps, or
-#: eager, as the suite's own engine is.
-SUITE_ENGINE_IN_SCRIPT = repr({"enforce_eager": False, **SUITE_TAPS} if SUITE_COMPILED else {})
+#: For a script's engine of ours: the suite's engine's keywords (`SUITE_ENGINE`).
+SUITE_ENGINE_IN_SCRIPT = repr(SUITE_ENGINE)
 
 
 def engine_script_environment() -> dict[str, str]:

@@ -19,7 +19,12 @@ import sys
 from collections.abc import Sequence
 
 from vllm_runner.server import PLUGIN_NAME
-from vllm_runner.server_settings import TAP_OPTIONS, ServerSettings, split_options
+from vllm_runner.server_settings import (
+    TAP_OPTIONS,
+    ServerSettings,
+    option_value,
+    split_options,
+)
 from vllm_runner.settings import taps_config
 
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
@@ -72,10 +77,7 @@ def with_taps(options: Sequence[str]) -> list[str]:
         if name not in taps and name != "--additional-config":
             rest.append(option)
             continue
-        if not has_value:
-            if not pending:
-                raise ValueError(f"{name} needs a value")
-            value = pending.pop(0)
+        value = option_value(name, has_value, value, pending)
         if name == "--additional-config":
             config_text = value
             continue

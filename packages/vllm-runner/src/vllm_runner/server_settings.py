@@ -37,6 +37,16 @@ NUMBERS: dict[str, tuple[float, float]] = {
 DEFAULT_VECTORS = Path("~/.cache/vllm-interp/vectors")
 
 
+def option_value(name: str, has_value: str, value: str, pending: list[str]) -> str:
+    """An option's value, given as `NAME=VALUE` (`option.partition("=")`) or as the next
+    argument, which is then taken from `pending`; an option without one is refused by name."""
+    if has_value:
+        return value
+    if not pending:
+        raise ValueError(f"{name} needs a value")
+    return pending.pop(0)
+
+
 def split_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """(the options for `vllm serve`, the environment our `--interp-*` options set); an
     `--interp-*` option we do not know is refused by name (vLLM would refuse it less clearly)."""
@@ -58,11 +68,7 @@ def split_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                 raise ValueError(f"{name} takes no value")
             environment[variable] = "1"
             continue
-        if not has_value:
-            if not pending:
-                raise ValueError(f"{name} needs a value")
-            value = pending.pop(0)
-        environment[variable] = value
+        environment[variable] = option_value(name, has_value, value, pending)
     return passed, environment
 
 
