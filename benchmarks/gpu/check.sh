@@ -58,8 +58,9 @@ trap_check() {
   for run in bfloat16 float32 bfloat16-spill; do
     local spill=""
     [ "$run" = bfloat16-spill ] && spill=VLLM_INTERP_DEVICE_SAVES_MIB=0
-    # Logs come back only from a failed run (a call returns at most 8 files).
-    local log=/tmp/inplace-$run.log
+    # Logs come back only from a failed run (a call returns at most 8 files); one file per
+    # process, so a V2 and a V1 trap check can run side by side.
+    local log=/tmp/inplace-$run-$$.log
     env -u VLLM_INTERP_DEVICE_SAVES_MIB $spill $python benchmarks/gpu/inplace_check.py \
       --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "$log" 2>&1 ||
       { status=1; cp "$log" "$out/"; }
@@ -166,8 +167,8 @@ bench() {
 }
 
 compiled() {
-  # Issue [K]: ours compiled with taps (on V1: the V2 adapter runs eager only so far) against
-  # vLLM's real default (V2, CUDA graphs, compiled), each engine in a process of its own.
+  # Issue [K]: ours compiled with taps against vLLM's real default (CUDA graphs, compiled), on
+  # the runner vLLM picks (V2 unless VLLM_USE_V2_MODEL_RUNNER=0), each engine in its own process.
   local shape=${1:-smollm2-135m} repeats=${2:-3}
   local name="compiled-$shape"
   $python benchmarks/compiled_bench.py --shape "$shape" --dtype bfloat16 --repeats "$repeats" \
