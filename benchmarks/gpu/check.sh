@@ -52,18 +52,22 @@ install_ours() {
 }
 
 trap_check() {
-  local status=0
-  # bf16 and fp32, then bf16 with every step's saves moved to the host (the spill path).
-  # The first two keep the default limit (half the free GPU memory: nothing moves here).
-  for run in bfloat16 float32 bfloat16-spill; do
+  # bf16 and fp32, then bf16 with every step's saves moved to the host (the spill path), the
+  # three side by side (each engine sizes its KV cache outright). The first two keep the default
+  # limit (half the free GPU memory: nothing moves there).
+  local status=0 pids=() runs=(bfloat16 float32 bfloat16-spill)
+  for run in "${runs[@]}"; do
     local spill=""
     [ "$run" = bfloat16-spill ] && spill=VLLM_INTERP_DEVICE_SAVES_MIB=0
     # Logs come back only from a failed run (a call returns at most 8 files); one file per
     # process, so a V2 and a V1 trap check can run side by side.
-    local log=/tmp/inplace-$run-$$.log
     env -u VLLM_INTERP_DEVICE_SAVES_MIB $spill $python benchmarks/gpu/inplace_check.py \
-      --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "$log" 2>&1 ||
-      { status=1; cp "$log" "$out/"; }
+      --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "/tmp/inplace-$run-$$.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!runs[@]}"; do
+    local log=/tmp/inplace-${runs[$i]}-$$.log
+    wait "${pids[$i]}" || { status=1; cp "$log" "$out/"; }
     grep -v WARNING "$log" | tail -25
   done
   return $status
