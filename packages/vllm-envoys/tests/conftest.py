@@ -87,7 +87,8 @@ class FamilyCase:
     """A family under test: how to build its tiny random model, and transformers' names.
 
     `unavailable` lists the values the family must report unavailable (by name, every layer);
-    `engine` holds extra engine arguments (e.g. vLLM's Transformers backend).
+    `engine` holds extra engine arguments (e.g. vLLM's Transformers backend); `dtype` is the
+    one both vLLM and transformers run in (float32 unless the engine cannot run it).
     """
 
     name: str
@@ -98,6 +99,7 @@ class FamilyCase:
     moe_layers: frozenset[int] = frozenset()  # layers whose MLP is a mixture of experts
     engine: tuple[tuple[str, object], ...] = ()
     family: str | None = None  # the family expected, when not the case's name
+    dtype: str = "float32"
 
 
 def llama_shaped(config: type, **overrides: object) -> object:
@@ -163,13 +165,20 @@ def deepseek_v2_config() -> DeepseekV2Config:
                             routed_scaling_factor=1.0, norm_topk_prob=False)
 
 
+# Where transformers runs: "cpu" in CI; benchmarks/gpu/check.sh sets "cuda" on the GPU machine,
+# so the engine on GPU is checked against transformers on the same GPU.
+ORACLE_DEVICE = os.environ.get("VLLM_INTERP_ORACLE_DEVICE", "cpu")
 # On a CPU with AMX tiles vLLM picks its AMX MLA backend, whose weight packing takes 16- and
 # 8-bit weights only: a float32 model fails at load ("expect weight to be bfloat16, float16,
 # int8, ..."; seen on 2026-12-02). vLLM's own setting picks its reference CPU MLA backend.
 DEEPSEEK_ON_CPU = (
     (("compilation_config", {"custom_ops": ["-rotary_embedding"]}),
      ("attention_config", {"backend": "CPU_MLA"}))
-    if os.environ.get("VLLM_INTERP_ORACLE_DEVICE", "cpu") == "cpu" else ())
+    if ORACLE_DEVICE == "cpu" else ())
+# On CUDA vLLM 0.33 has no float32 latent-attention backend (FlashAttention, FlashMLA, FlashInfer
+# and Triton MLA each refuse the dtype; seen on the H200, 2026-12-02), so there DeepSeek runs in
+# bfloat16 on both sides, against a bfloat16 tolerance; the CPU checks it in float32.
+DEEPSEEK_DTYPE = "float32" if ORACLE_DEVICE == "cpu" else "bfloat16"
 LATENT_ATTENTION = GATED_ONLY | {
     "attention_queries", "attention_keys", "attention_values", "attention_head_outputs",
     "attention_scores", "attention_probabilities",
@@ -221,7 +230,7 @@ CASES = [
     # turns that custom op off, so its PyTorch rotary runs; on a GPU nothing is set.
     FamilyCase("deepseek_v2", deepseek_v2_config, DeepseekV2ForCausalLM,
                unavailable=LATENT_ATTENTION | ROUTING, moe_layers=frozenset({1, 2}),
-               engine=DEEPSEEK_ON_CPU),
+               engine=DEEPSEEK_ON_CPU, dtype=DEEPSEEK_DTYPE),
     FamilyCase("olmoe", llama_shaped(OlmoeConfig, num_experts=4, num_experts_per_tok=2,
                                      pad_token_id=0),
                OlmoeForCausalLM, moe_layers=frozenset({0, 1, 2})),
@@ -246,9 +255,6 @@ class FamilyRun:
 
 
 EDITED_LAYER = 1
-# Where transformers runs: "cpu" in CI; benchmarks/gpu/check.sh sets "cuda" on the GPU machine,
-# so the engine on GPU is checked against transformers on the same GPU.
-ORACLE_DEVICE = os.environ.get("VLLM_INTERP_ORACLE_DEVICE", "cpu")
 # On a GPU, float32 runs vLLM's Triton attention and fused-MoE kernels, whose dots default to
 # TF32 (relative error ~5e-4, seen on the H200); IEEE float32 keeps the comparison at 1e-4.
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
@@ -283,9 +289,10 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     path = tmp_path_factory.mktemp(case.name)
     model.save_pretrained(path, safe_serialization=True)
     # transformers first: vLLM's Transformers backend patches transformers' classes in place.
-    reference = case.model.from_pretrained(path, dtype=torch.float32).to(ORACLE_DEVICE)
+    reference = case.model.from_pretrained(path, dtype=getattr(torch, case.dtype))
+    reference = reference.to(ORACLE_DEVICE)
     answers = record(HFOracle(reference, case.hf), PROMPT, GENERATED, EDITED_LAYER)
-    harness = EnvoyHarness(start_engine(str(path), **dict(case.engine)))
+    harness = EnvoyHarness(start_engine(str(path), dtype=case.dtype, **dict(case.engine)))
     yield FamilyRun(case, str(path), harness, answers)
     shutdown(harness.llm)
 

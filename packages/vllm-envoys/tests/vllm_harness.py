@@ -24,8 +24,9 @@ from vllm_envoys import HookArgs, Standardized, Step, Value, standardize
 Edit = Callable[[torch.Tensor], torch.Tensor]
 
 
-def start_engine(model_dir: str, **engine: object) -> LLM:
-    """An fp32, eager, tokenizer-less engine small enough for CI, prefix caching off.
+def start_engine(model_dir: str, dtype: str = "float32", **engine: object) -> LLM:
+    """An eager, tokenizer-less engine small enough for CI, in float32 unless `dtype` says
+    otherwise, prefix caching off.
 
     Its KV cache is sized, not profiled: 64 MiB holds four 128-token requests of any family here,
     and starting takes a second less than with a share of the machine's memory (a 2.9 GiB cache
@@ -33,7 +34,7 @@ def start_engine(model_dir: str, **engine: object) -> LLM:
     of the device (vLLM checks that much is free at start), so engines of several pytest-xdist
     workers can run side by side there (benchmarks/gpu/check.sh, PARALLEL=n)."""
     return LLM(
-        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        model=model_dir, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
         kv_cache_memory_bytes=64 * 2**20, gpu_memory_utilization=0.15, max_model_len=128,
         max_num_seqs=4, enable_prefix_caching=False, seed=0, **engine,
     )
