@@ -86,8 +86,10 @@ ENGINE_MEMORY = {"gpu_memory_utilization": 0.15, "kv_cache_memory_bytes": 64 << 
 SUITE_COMPILED_VARIABLE = "VLLM_INTERP_SUITE_COMPILED"
 SUITE_COMPILED = os.environ.get(SUITE_COMPILED_VARIABLE) == "1"
 SUITE_TAPS = {"taps": ["layers.*.mlp_neurons"], "graph_taps": ["layers.*.layer_output"]}
-#: The keywords of the suite's engine that make it compiled with those taps, or none (eager).
-SUITE_ENGINE: dict[str, object] = {"enforce_eager": False, **SUITE_TAPS} if SUITE_COMPILED else {}
+#: The keywords of the suite's engine: compiled with those taps, or eager. Eager is spelled out:
+#: `LLM`'s default is eager on a CPU only (on a GPU, vLLM's compiled engine).
+SUITE_ENGINE: dict[str, object] = ({"enforce_eager": False, **SUITE_TAPS} if SUITE_COMPILED
+                                   else {"enforce_eager": True})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -59,6 +59,21 @@ def test_engine_arguments_pass_through_typed(capsys) -> None:
     assert "expected" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("given", "eager"), [([], True),
+                                             (["--engine-arg", "enforce_eager=false"], False)])
+def test_the_commands_engines_run_eager_unless_asked(monkeypatch, given: list[str],
+                                                     eager: bool) -> None:
+    """Every request of `demo`, `extract` and `support` runs a program where no tap serves, so
+    compiling would buy nothing: eager on a GPU too, unless the user says otherwise."""
+    import vllm_runner.llm
+    from vllm_runner import cli
+
+    started: list[dict] = []
+    monkeypatch.setattr(vllm_runner.llm, "LLM", lambda model, **engine: started.append(engine))
+    cli._llm(build_parser().parse_args(["support", *given]))
+    assert started[0]["enforce_eager"] is eager
+
+
 def _command(*arguments: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *arguments], env=user_environment(),
                           capture_output=True, text=True, timeout=timeout)

@@ -106,3 +106,20 @@ def test_other_failures_pass_through(monkeypatch) -> None:
     monkeypatch.setattr(vllm, "LLM", fails)
     with pytest.raises(OSError, match="no such model"):
         start("model", {"gpu_memory_utilization": 0.5}, on_cpu=True)
+
+
+@pytest.mark.parametrize(("on_cpu", "given", "expected"), [
+    (True, {}, True), (True, {"enforce_eager": None}, True), (False, {}, None),
+    (True, {"enforce_eager": False}, False), (False, {"enforce_eager": True}, True)])
+def test_an_engine_is_eager_by_default_on_a_cpu_only(monkeypatch, on_cpu: bool,
+                                                     given: dict[str, Any],
+                                                     expected: bool | None) -> None:
+    """`LLM` and `AsyncLLM` leave a GPU engine to vLLM's default (compiled, CUDA graphs) and
+    start a CPU one eager, unless the user chose; the user's choice is kept either way."""
+    from vllm.platforms import current_platform
+    from vllm_runner.llm import prepare_engine
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: on_cpu)
+    engine = dict(given)
+    prepare_engine("some-model", engine, None, None)
+    assert engine.get("enforce_eager") is expected

@@ -35,7 +35,8 @@ if __name__ == "__main__":
     # 4 blocks of 32 tokens (vLLM can use 3): three 30-token prompts take one block each, then
     # each needs a second block while decoding, and there is none: vLLM preempts.
     steered = len(sys.argv) > 3  # compiled, steering from the tap's buffers
-    compiled = {"enforce_eager": False, "graph_taps": ["layers.1.layer_output"]} if steered else {}
+    compiled = ({"enforce_eager": False, "graph_taps": ["layers.1.layer_output"]} if steered
+                else {"enforce_eager": True})
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32",
               gpu_memory_utilization=0.15, kv_cache_memory_bytes=64 << 20,
               max_model_len=96, block_size=32,

@@ -27,14 +27,16 @@ def values_of(command: list[str], option: str) -> list[str]:
 @pytest.mark.parametrize(("on_cpu", "worker"), [
     (True, "vllm_runner.cpu_worker.InterpCPUWorker"),
     (False, "vllm_runner.worker.InterpGPUWorker")])
-def test_command_is_vllm_serve_with_the_interp_worker_and_eager(on_cpu: bool,
-                                                                worker: str) -> None:
+def test_command_is_vllm_serve_with_the_interp_worker_eager_on_a_cpu_only(on_cpu: bool,
+                                                                           worker: str) -> None:
+    """As `LLM`'s default: eager on a CPU; on a GPU vLLM's own (compiled, CUDA graphs)."""
     options = ["--port", "8123", "--dtype", "float32"]
     command = serve_command(MODEL, options, on_cpu=on_cpu, kv_cache_bytes=KV_BYTES)
     assert command[:2] == ["serve", MODEL]
     assert command[2:2 + len(options)] == options  # the user's options, in their order
     assert values_of(command, "--worker-cls") == [worker]
-    assert command.count("--enforce-eager") == 1
+    assert command.count("--enforce-eager") == (1 if on_cpu else 0)
+    assert "--no-enforce-eager" not in command
 
 
 @pytest.mark.parametrize("on_cpu", [True, False])

@@ -61,14 +61,25 @@ def running_server(model_dir: str, folder: Path, *options: str, bare: bool = Fal
                "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "tiny",
                # A small share of a GPU, beside the suite's own engine (no effect on a CPU).
                "--gpu-memory-utilization", "0.15",
-               # Compiled or eager as the suite's engine is (`SUITE_COMPILED`), both servers.
+               # Compiled or eager as the suite's engine is (`SUITE_COMPILED`), both servers;
+               # eager spelled out (the default only on a CPU), compiled as vLLM's default.
                *(["--no-enforce-eager", "--interp-taps", ",".join(SUITE_TAPS["taps"]),
                   "--interp-graph-taps", ",".join(SUITE_TAPS["graph_taps"])]
                  if SUITE_COMPILED and not bare else []),
-               *(["--enforce-eager"] if bare and not SUITE_COMPILED else []), *options]
+               *(["--enforce-eager"] if not SUITE_COMPILED else []), *options]
     with serving(command, f"http://127.0.0.1:{port}", folder / f"server-{port}.log",
                  environment={**suite_numerics(), **(environment or {})}) as base:
         yield base
+
+
+def test_a_tap_that_names_nothing_stops_the_server_by_name(model_dir: str,
+                                                           tmp_path: Path) -> None:
+    """As `LLM(taps=...)` refuses it: the model has three layers, so no layer 9 to tap."""
+    with pytest.raises(AssertionError, match="the server exited") as stopped, running_server(
+            model_dir, tmp_path, "--interp-taps", "layers.9.layer_output,layers.*.mlp_neurons"):
+        pass
+    assert "tap 'layers.9.layer_output'" in str(stopped.value), str(stopped.value)
+    assert "tap 'layers.*.mlp_neurons'" not in str(stopped.value)
 
 
 @pytest.fixture(scope="module")

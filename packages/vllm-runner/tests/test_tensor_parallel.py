@@ -56,8 +56,8 @@ if __name__ == "__main__":
     exec(sys.argv[4])
     taps = json.loads(sys.argv[5])  # None: an eager engine
     # The layer outputs' saves from the graph's ring buffers (rank 0's), the rest via the taps.
-    compiled = {} if taps is None else {"enforce_eager": False, "taps": taps,
-                                        "graph_taps": ["layers.*.layer_output"]}
+    compiled = {"enforce_eager": True} if taps is None else {
+        "enforce_eager": False, "taps": taps, "graph_taps": ["layers.*.layer_output"]}
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32, seed=0,
               tensor_parallel_size=2, distributed_executor_backend="mp", **compiled)

@@ -38,7 +38,7 @@ compiled = {"enforce_eager": False,
 llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
           kv_cache_memory_bytes=64 << 20, max_model_len=128, max_num_seqs=8, seed=0,
           model_impl="transformers",
-          **(compiled if tapped else {}))
+          **(compiled if tapped else {"enforce_eager": True}))
 prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.argv[2])]
 params = SamplingParams(max_tokens=3, temperature=0.0)
 # Layer 1's keys sharpened (a shift common to every key would cancel in the softmax), for the

@@ -79,6 +79,17 @@ def _cpu_free_memory() -> tuple[int, int]:
     return get_memory_node_info(node).available_memory, node
 
 
+def eager_by_default(on_cpu: bool) -> bool:
+    """Whether an engine whose user did not choose `enforce_eager` starts eager: on a CPU yes, on
+    a GPU no (vLLM's default: compiled, with CUDA graphs). A GPU's graphs are what make vLLM
+    fast there (its default ran 11.1x its eager engine on the H200, SmolLM2 shape); a CPU has
+    none, and inductor's compile costs more than it gives back in a session: the embedded
+    SmolLM2 started in 22 s eager and 59-75 s compiled on 2 cores, then generated 8 x 32 tokens
+    in 0.88 s against 0.70 s (2026-12-02). Where it is not eager, a step whose programs act at
+    a location no tap serves runs the plain module tree (`LLM(taps=...)`)."""
+    return on_cpu
+
+
 def choose_defaults(model: str, engine: dict[str, Any], on_cpu: bool) -> str | None:
     """Fill in engine arguments the user left out that vLLM's defaults would get wrong on this
     machine (see the module's docstring); returns the line that says what was chosen."""

@@ -1,10 +1,11 @@
 """`LLM`: vLLM's offline engine with per-request interpretability programs.
 
 All of vLLM's engine arguments pass through. Two are set for interpretability and explained:
-`enforce_eager=True` unless the caller passes `False` (forward hooks do not fire inside compiled
-graphs or CUDA-graph replays; with `False`, on vLLM's V1 runner, steps without programs run
-vLLM's compiled path and steps with programs run uncompiled: `vllm_v1_runner`), and `worker_cls`
-(the worker that runs programs). Prompts with a program get a `cache_salt`
+`enforce_eager=True` on a CPU unless the caller passes `False` (`engine_start.eager_by_default`;
+on a GPU vLLM's default stands: compiled, CUDA graphs, steps without programs on vLLM's own
+path, steps whose programs act where no tap serves on the plain module tree:
+`vllm_v1_runner`, `vllm_v2_runner`), and `worker_cls` (the worker that runs programs). Prompts
+with a program get a `cache_salt`
 derived from it, so their KV blocks are never shared with requests running a different program,
 and never read the prefix cache themselves, so their programs see every prompt row.
 """
@@ -23,7 +24,7 @@ from vllm import SamplingParams
 
 from vllm_runner import engine_rpc, vllm_client, wire
 from vllm_runner.compat import check_version
-from vllm_runner.engine_start import start
+from vllm_runner.engine_start import eager_by_default, start
 from vllm_runner.errors import EngineDied, LocationError
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
@@ -35,6 +36,7 @@ from vllm_runner.settings import (
     READS_VARIABLE,
     device_saves_limit,
     read_mode,
+    refused_taps_message,
     taps_config,
 )
 from vllm_runner.trace import Trace
@@ -70,8 +72,8 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
                    graph_taps: str | Sequence[str] | None = None) -> str:
     """What every engine of ours needs before vLLM starts it (`LLM` and `AsyncLLM` alike): a
     checked vLLM release, the workers' settings in the environment (checked here, not in a
-    worker's traceback), the taps in the engine's own config, eager mode unless asked
-    otherwise, the worker class, and the embedded model when `model` is `None`. Fills `engine`
+    worker's traceback), the taps in the engine's own config, eager mode on a CPU unless
+    asked otherwise, the worker class, and the embedded model when `model` is `None`. Fills `engine`
     in place; returns the model to start."""
     check_version(vllm.__version__)
     if taps is not None or graph_taps is not None:
@@ -86,7 +88,9 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
         os.environ[DEVICE_SAVES_VARIABLE] = str(interp_device_saves_mib)
     read_mode()
     device_saves_limit()
-    if engine.get("enforce_eager") is not False:
+    from vllm.platforms import current_platform
+
+    if engine.get("enforce_eager") is None and eager_by_default(current_platform.is_cpu()):
         engine["enforce_eager"] = True
     if model is None:
         from vllm_runner.embedded import default_model
@@ -163,6 +167,12 @@ class LLM:
         Without `model`, the embedded SmolLM2-135M-Instruct is used (converted once into the
         user's cache; see `vllm_runner.embedded`).
 
+        Without `enforce_eager`, a GPU engine runs as vLLM's default does (compiled, CUDA
+        graphs): steps without programs take vLLM's own path, steps whose programs act only at
+        `taps` stay compiled, other steps with programs run the plain module tree; a CPU engine
+        runs eager (no graphs to keep there, and compiling triples the start: see
+        `engine_start.eager_by_default`).
+
         `interp_reads` is how values are lent to `ops.Call` functions ("lease", "copy",
         "view"; see `ops.Call`); by default `VLLM_INTERP_READS`, else "lease". It is set in
         this process's environment before the engine starts so that every worker process
@@ -198,8 +208,7 @@ class LLM:
             self._gone = "its taps were refused"
             with contextlib.suppress(Exception):  # the refusal is what the caller must see
                 self.engine.llm_engine.engine_core.shutdown()
-            raise LocationError("; ".join(f"tap {pattern!r}: {reason}"
-                                          for pattern, reason in refused.items()))
+            raise LocationError(refused_taps_message(refused))
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is vLLM's `LLM`'s (`get_tokenizer`, `llm_engine`, ...)."""

@@ -2,10 +2,11 @@
 interpretability worker and routes (`vllm_runner.server`) and the engine settings hooks need.
 
 Every `vllm serve` option keeps its meaning; this adds only what the user left out:
-`--worker-cls` (the worker that runs programs), `--enforce-eager` unless the user asked for
-`--no-enforce-eager` (as `LLM`'s default; compiled, steps with programs at locations no tap
-serves run uncompiled, the rest compiled), on a CPU a KV cache that fits the machine (as `LLM`
-does), and `vllm_interp` in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin.
+`--worker-cls` (the worker that runs programs), on a CPU `--enforce-eager` unless the user
+asked for `--no-enforce-eager` (as `LLM`'s default, `engine_start.eager_by_default`; on a GPU
+vLLM's compiled engine: steps with programs at locations no tap serves run uncompiled, the
+rest compiled), on a CPU a KV cache that fits the machine (as `LLM` does), and `vllm_interp`
+in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin.
 `--interp-taps` / `--interp-graph-taps` become the engine's taps (`LLM(taps=, graph_taps=)`) in
 vLLM's `--additional-config`; the other `--interp-*` options are the operator's settings of the
 interventions (`server_settings`). Both are taken out before vLLM parses.
@@ -18,6 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from vllm_runner.engine_start import eager_by_default
 from vllm_runner.server import PLUGIN_NAME
 from vllm_runner.server_settings import (
     TAP_OPTIONS,
@@ -54,7 +56,8 @@ def serve_command(model: str, options: Sequence[str], on_cpu: bool,
     command = ["serve", model, *options]
     if not _given(options, "--worker-cls"):
         command += ["--worker-cls", CPU_WORKER if on_cpu else GPU_WORKER]
-    if not _given(options, "--enforce-eager") and not _given(options, "--no-enforce-eager"):
+    chose = _given(options, "--enforce-eager") or _given(options, "--no-enforce-eager")
+    if not chose and eager_by_default(on_cpu):
         command.append("--enforce-eager")
     sized = _given(options, "--gpu-memory-utilization") or _given(options,
                                                                   "--kv-cache-memory-bytes")

@@ -35,6 +35,7 @@ from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner import server_routes
 from vllm_runner.compat import check_version
+from vllm_runner.errors import LocationError
 from vllm_runner.json_ops import InterventionInputError
 from vllm_runner.ops import Save
 from vllm_runner.program import salted
@@ -42,6 +43,7 @@ from vllm_runner.server_requests import InterpChatCompletionRequest, InterpCompl
 from vllm_runner.server_routes import error_response
 from vllm_runner.server_settings import ServerSettings
 from vllm_runner.server_state import ServerState
+from vllm_runner.settings import refused_taps_message
 
 #: The plugin's name, as `VLLM_PLUGINS` must list it.
 PLUGIN_NAME = "vllm_interp"
@@ -190,7 +192,9 @@ class InterpEndpoints:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """The routes' shared state, once the engine is up; refuses to start on an engine
-        without the interpretability worker (its requests would silently run no programs)."""
+        without the interpretability worker (its requests would silently run no programs), or
+        whose workers refused a tap (`--interp-taps`: a pattern that names nothing, a value
+        the model never serves), naming it as `LLM(taps=...)` does."""
         check_version(vllm.__version__)  # `vllm serve` with our plugin, not through ours
         if engine_client is None:  # vLLM's render-only server: no engine, nothing to serve
             return
@@ -202,6 +206,10 @@ class InterpEndpoints:
                 "server with `vllm-interp serve MODEL`, or pass `--worker-cls "
                 "vllm_runner.worker.InterpGPUWorker` (vllm_runner.cpu_worker.InterpCPUWorker on "
                 f"a CPU) to `vllm serve` ({type(error).__name__}: {error})") from error
+        (taps, *_) = await engine_client.collective_rpc("interp_taps")
+        if taps["refused"]:  # as `LLM` refuses them: a tap that can never serve stops the start
+            raise LocationError(f"--interp-taps / --interp-graph-taps: "
+                                f"{refused_taps_message(taps['refused'])}")
         interp = ServerState(engine_client, ServerSettings.from_environment())
         await interp.learn_shapes()
         if interp.settings.default is not None:

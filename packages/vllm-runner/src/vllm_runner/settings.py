@@ -26,6 +26,13 @@ def taps_config(taps: list[str], graph_taps: list[str]) -> dict[str, list[str]]:
     `vllm-interp serve --interp-taps/--interp-graph-taps`): every tap once, graph taps included."""
     return {TAPS_KEY: list(dict.fromkeys([*taps, *graph_taps])), GRAPH_TAPS_KEY: graph_taps}
 
+
+def refused_taps_message(refused: dict[str, str]) -> str:
+    """Why the engine's workers refused tap patterns (pattern -> reason), in one line: what
+    `LLM` raises and what stops `vllm-interp serve`, rather than start with a tap that would
+    never serve."""
+    return "; ".join(f"tap {pattern!r}: {reason}" for pattern, reason in refused.items())
+
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).
 READS_VARIABLE = "VLLM_INTERP_READS"
 
