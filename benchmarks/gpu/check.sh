@@ -16,7 +16,8 @@
 #                                         the runner's whole suite took 340 s under V2 and
 #                                         297 s under V1 with PARALLEL=5 (2026-12-02), over
 #                                         1,130 s in one process; SHARD=i/n runs the i-th of n
-#                                         slices of its files
+#                                         slices of its files; VLLM_INTERP_SUITE_COMPILED=1 runs
+#                                         the runner's compiled pass (as nox -s tests does)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,
