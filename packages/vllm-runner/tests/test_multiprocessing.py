@@ -25,7 +25,8 @@ def halve(value, ctx):
     value.mul_(0.5)  # in place: in "copy" read mode this never reaches the engine
 
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32",
+    # Eager, as the suite's first pass (on a GPU `LLM` would compile: minutes for nothing here).
+    llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               gpu_memory_utilization=0.15, kv_cache_memory_bytes=64 << 20, max_model_len=128,
               seed=0, interp_reads="copy")
     location = "layers.1.layer_output"

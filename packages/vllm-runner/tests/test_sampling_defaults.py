@@ -17,8 +17,10 @@ from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
 
 if __name__ == "__main__":
+    # Eager, as the suite's first pass (on a GPU `LLM` would compile: minutes for nothing here).
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
               kv_cache_memory_bytes=64 << 20, max_model_len=128, block_size=32, seed=0,
+              enforce_eager=True,
               override_generation_config={"max_new_tokens": 3, "temperature": 0.0})
     prompt = TokensPrompt(prompt_token_ids=json.loads(sys.argv[2]))
     (plain,) = llm.generate([prompt], use_tqdm=False)
