@@ -37,11 +37,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from pairs import timed_pair  # noqa: E402 (the benchmarks folder is on the path now)
 
 NAMES = {
     "a": "our LLM, no programs",
@@ -222,35 +224,42 @@ def main() -> None:
     ratios: dict[str, list[float]] = {arm: [] for arm in arms}
     seconds: dict[str, list[float]] = {arm: [] for arm in arms}
     default_seconds: list[float] = []
+    device = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()}, " \
+                                                           f"{os.cpu_count()} cores"
+    out = Path(arguments.out or ROOT / "docs" / "benchmarks" /
+               f"compiled-{'gpu' if on_gpu else 'cpu'}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def publish(done: int, forwards: dict[str, int] | None) -> str:
+        # After every repeat: a run cut short (the GPU's 10-minute calls) still leaves a report.
+        report = render(arguments, arms, ratios, seconds, default_seconds, forwards, device,
+                        model, on_gpu, out.with_suffix(".png").name, done)
+        out.write_text(report)
+        plot(arms, ratios, out.with_suffix(".png"), device)
+        return report
+
     for repeat in range(arguments.repeats):
         for arm in arms:
             prompts = fresh_prompts()
             run_arm = arm_engine(arm)
-            if repeat % 2 == 0:
-                base, took = run_default(prompts), run_arm(prompts)
-            else:
-                took, base = run_arm(prompts), run_default(prompts)
+            base, took = timed_pair(repeat, partial(run_default, prompts),
+                                    partial(run_arm, prompts))
             default_seconds.append(base)
             seconds[arm].append(took)
             ratios[arm].append(base / took)
             print(f"repeat {repeat + 1}/{arguments.repeats} {arm:>8}: default {base:6.2f} s, "
                   f"arm {took:6.2f} s, ratio {base / took:.3f}", flush=True)
+        publish(repeat + 1, None)
     forwards = {kind: engine.close() for kind, engine in engines.items()}
-    device = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()}, " \
-                                                           f"{os.cpu_count()} cores"
-    out = Path(arguments.out or ROOT / "docs" / "benchmarks" /
-               f"compiled-{'gpu' if on_gpu else 'cpu'}.md")
-    report = render(arguments, arms, ratios, seconds, default_seconds, forwards["ours"],
-                    device, model, on_gpu, out.with_suffix(".png").name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    plot(arms, ratios, out.with_suffix(".png"), device)
-    print(report)
+    print(publish(arguments.repeats, forwards["ours"]))
 
 
 def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, list[float]],
            seconds: dict[str, list[float]], default_seconds: list[float],
-           forwards: dict[str, int], device: str, model: str, on_gpu: bool, plot_name: str) -> str:
+           forwards: dict[str, int] | None, device: str, model: str, on_gpu: bool,
+           plot_name: str, done: int) -> str:
+    """The Markdown report of the `done` repeats measured so far (of `arguments.repeats`), with
+    our engine's forwards by path once the run has ended (`None` before)."""
     import torch
     import vllm
 
@@ -263,7 +272,9 @@ def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, lis
         f"torch {torch.__version__}, vLLM {vllm.__version__}); model `{name}`, "
         f"{arguments.dtype}; {arguments.requests} requests per run, {arguments.concurrency} in "
         f"flight, prompts of 32-256 random tokens, {arguments.max_tokens} generated each; "
-        f"{arguments.repeats} repeats. Each engine in a process of its own: vLLM's default "
+        f"{arguments.repeats} repeats" + ("" if done == arguments.repeats else
+                                          f" (**{done} done**: the run stopped there)") +
+        ". Each engine in a process of its own: vLLM's default "
         "engine (compiled" + (", CUDA graphs" if on_gpu else ": Dynamo and inductor") + "), "
         "ours (`LLM(enforce_eager=False, taps=[every layer's layer_output], "
         "graph_taps=[the middle layer's])`) and vLLM's eager engine. A pair runs the same "
@@ -286,7 +297,8 @@ def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, lis
                      f"{verdict} |")
     lines += [
         "",
-        f"Our engine's forwards over the whole run, by path (`LLM.forwards()`): {forwards}. "
+        "Our engine's forwards over the whole run, by path (`LLM.forwards()`): "
+        f"{forwards if forwards is not None else 'not collected (the run stopped early)'}. "
         "`taps` counts compiled forwards whose programs were served by taps' Python; "
         "`in_graph` those served from the graph's buffers alone (arms b, d, e at the middle "
         "layer); `eager` the forwards of steps whose programs acted where no tap serves (the "

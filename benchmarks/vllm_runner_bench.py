@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -47,6 +48,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 
 import torch
 import vllm
+from pairs import timed_pair
 from random_models import add_model_arguments, random_checkpoint
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -293,11 +295,7 @@ def main() -> None:
             for arm in arms:
                 requests = fresh_prompts(count)
                 arm_run, bare_run = runner_for(arm, requests, width), plain(bare, requests, width)
-                # Alternate which side of a pair runs first, so order effects cancel out.
-                if repeat % 2 == 0:
-                    base, took = timed(bare_run), timed(arm_run)
-                else:
-                    took, base = timed(arm_run), timed(bare_run)
+                base, took = timed_pair(repeat, partial(timed, bare_run), partial(timed, arm_run))
                 bare_seconds.append(base)
                 seconds[arm].append(took)
                 ratios[arm].append(base / took)
