@@ -5,8 +5,9 @@
 #
 #   benchmarks/gpu/check.sh install      unpack and install the staged vLLM (0.26 or 0.33) under /tmp/site,
 #                                         and our wheels if the call carried .gpu-wheels
-#   benchmarks/gpu/check.sh trap_check   (a) the in-place trap, bf16 and fp32, and bf16 with saves
-#                                         moved to the host at every step
+#   benchmarks/gpu/check.sh trap_check   (a) the in-place trap, bf16 and fp32, bf16 with saves
+#                                         moved to the host at every step, and bf16 compiled with
+#                                         every value a tap (issue [K])
 # The model runner is vLLM's choice (V2 on a GPU) unless the command sets
 # VLLM_USE_V2_MODEL_RUNNER=0 (V1; issue [J]).
 #   benchmarks/gpu/check.sh suites envoys|runner [PYTEST_ARGS...]   (b) the equivalence suites of
@@ -53,24 +54,29 @@ install_ours() {
 }
 
 trap_check() {
-  # bf16 and fp32, then bf16 with every step's saves moved to the host (the spill path), the
-  # three side by side (each engine sizes its KV cache outright). The first two keep the default
-  # limit (half the free GPU memory: nothing moves there).
-  local status=0 pids=() runs=(bfloat16 float32 bfloat16-spill)
+  # bf16 and fp32, bf16 with every step's saves moved to the host (the spill path), all eager,
+  # and bf16 on vLLM's compiled engine with every value a tap (issue [K]); the four side by side
+  # (each engine sizes its KV cache outright). The others keep the default limit (half the free
+  # GPU memory: nothing moves there). One report, $out/inplace.md (a call returns 8 files).
+  local status=0 pids=() runs=(bfloat16 float32 bfloat16-spill bfloat16-taps)
+  local work
+  work=$(mktemp -d)
   for run in "${runs[@]}"; do
-    local spill=""
+    local spill="" engine=eager
     [ "$run" = bfloat16-spill ] && spill=VLLM_INTERP_DEVICE_SAVES_MIB=0
-    # Logs come back only from a failed run (a call returns at most 8 files); one file per
-    # process, so a V2 and a V1 trap check can run side by side.
+    [ "$run" = bfloat16-taps ] && engine=taps
     env -u VLLM_INTERP_DEVICE_SAVES_MIB $spill $python benchmarks/gpu/inplace_check.py \
-      --dtype "${run%-spill}" --out "$out/inplace-$run.md" > "/tmp/inplace-$run-$$.log" 2>&1 &
+      --dtype "${run%%-*}" --engine "$engine" --out "$work/$run.md" > "$work/$run.log" 2>&1 &
     pids+=($!)
   done
   for i in "${!runs[@]}"; do
-    local log=/tmp/inplace-${runs[$i]}-$$.log
-    wait "${pids[$i]}" || { status=1; cp "$log" "$out/"; }
-    grep -v WARNING "$log" | tail -25
+    local run=${runs[$i]}
+    # A failed run's log comes back instead of its report.
+    wait "${pids[$i]}" || { status=1; cp "$work/$run.log" "$out/inplace-$run.log"; }
+    { cat "$work/$run.md" 2> /dev/null || echo "### $run: no report (see its log)"; echo; } \
+      >> "$out/inplace.md"
   done
+  grep -v WARNING "$out/inplace.md" | tail -70
   return $status
 }
 

@@ -15,9 +15,12 @@ taken at the moment it was handed over. It asserts:
    reads a value once for all of them (`vllm_runner.serving.serve_together`).
 
 With `VLLM_INTERP_DEVICE_SAVES_MIB=0` every step's saves move to the host before the next step
-(`SaveStore.spill`), so (2) and (4) check that path too.
+(`SaveStore.spill`), so (2) and (4) check that path too. With `--engine taps` the engine is
+vLLM's compiled one with every value checked here a tap (issue [K]): the values are handed out
+from inside the compiled graph, where the compiler may reuse a tensor's memory after the tap.
 
-Usage: python benchmarks/gpu/inplace_check.py --dtype bfloat16 [--shape smollm2-135m] [--out F]
+Usage: python benchmarks/gpu/inplace_check.py --dtype bfloat16 [--engine eager|taps]
+       [--shape smollm2-135m] [--out F]
 Exit status 1 if (1) or (2) fails anywhere.
 """
 
@@ -86,6 +89,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", default=None, help="also write the markdown report here")
+    parser.add_argument("--engine", default="eager", choices=["eager", "taps"],
+                        help="eager (enforce_eager=True), or vLLM's compiled engine with every "
+                             "value checked a tap")
     arguments = parser.parse_args()
 
     import vllm
@@ -100,9 +106,13 @@ def main() -> int:
     # A 64-token budget spreads each prompt over several steps shared with other requests. The
     # KV cache is sized outright (a few times what 8 x 512 tokens need), so the engine does not
     # profile free memory that another process on the GPU may be freeing.
+    # `logits` is read after the model on every path: it needs no tap.
+    engine = {"enforce_eager": True} if arguments.engine == "eager" else {
+        "enforce_eager": False, "taps": [p for p in PATTERNS if p != "logits"]}
     llm = LLM(model, dtype=arguments.dtype, skip_tokenizer_init=True, seed=0,
               max_num_batched_tokens=64, max_num_seqs=arguments.requests,
-              gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30, max_model_len=512)
+              gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30, max_model_len=512,
+              **engine)
     generator = torch.Generator().manual_seed(0)
     # Lengths differ, so a shared program's `Call` can tell the requests apart.
     lengths = (torch.randperm(80, generator=generator)[:arguments.requests] + 20).tolist()
@@ -124,9 +134,14 @@ def main() -> int:
             raise SystemExit(f"a program failed: {errors[0]}")
         results[mode] = compare(mode, outputs)
     report = render(results, arguments, vllm.__version__, device)
+    forwards = llm.forwards()
+    report += f"\nForwards by path (`LLM.forwards()`): {forwards}.\n"
     print(report)
     if arguments.out:
         Path(arguments.out).write_text(report)
+    if arguments.engine == "taps" and forwards["eager"]:
+        print("FAILED: with every value a tap, no step should have run the plain module tree")
+        return 1
     return 0 if all(c["kept_equal"] == c["kept"] and c["saved_equal"] == c["saved"]
                     for mode in ("lease", "shared") for c in results[mode].values()) else 1
 
@@ -160,7 +175,9 @@ def render(results: dict, arguments, vllm_version: str, device: str) -> str:
     limit = os.environ.get("VLLM_INTERP_DEVICE_SAVES_MIB")
     spill = f"; saves moved to the host past {limit} MiB (`VLLM_INTERP_DEVICE_SAVES_MIB`)" \
         if limit is not None else ""
-    lines = [f"### {arguments.dtype}, random {arguments.shape}, {where}, vLLM {vllm_version}",
+    engine = "eager" if arguments.engine == "eager" else "compiled, every value a tap"
+    lines = [f"### {arguments.dtype}, {engine}, random {arguments.shape}, {where}, "
+             f"vLLM {vllm_version}",
              "",
              f"{arguments.requests} concurrent requests (20-99 prompt tokens, 64-token step "
              f"budget, {arguments.max_tokens} generated), every value of every layer saved and "
