@@ -87,13 +87,15 @@ suites() {
   # mypy's (not staged) and the server's unless our wheels were installed (`install_ours`: they
   # start the `vllm-interp` command); tensor parallelism runs where there are two GPUs.
   local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE "${@:2}")
+  # Side-by-side workers share the host's cores (their CPU oracles, transformers' threads).
+  local threads=$(($(nproc) / ${PARALLEL:-1}))
   export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
   if [ "$which" = envoys ]; then
     # PARALLEL=n: n pytest-xdist workers on one GPU, one family's tests on one worker (its
     # engine and oracle built once; the suite's conftest groups them); each engine asks for 15%.
     local spread=()
     [ "${PARALLEL:-1}" -ge 2 ] && spread=(-n "$PARALLEL" --dist loadgroup)
-    VLLM_INTERP_ORACLE_DEVICE=cuda OMP_NUM_THREADS=$(($(nproc) / ${PARALLEL:-1})) \
+    VLLM_INTERP_ORACLE_DEVICE=cuda OMP_NUM_THREADS=$threads \
       $python -m pytest "${report[@]}" "${spread[@]}" --durations=15 \
       packages/vllm-envoys/tests/test_equivalence.py packages/vllm-envoys/tests/test_values.py \
       > "$out/envoys-pytest.txt" 2>&1
@@ -140,7 +142,7 @@ suites() {
       # CI runs on the CPU); every engine of the suite sizes its KV cache outright
       # (conftest.ENGINE_MEMORY), so none profiles memory another frees. The CPU oracles share
       # the host's cores.
-      OMP_NUM_THREADS=$(($(nproc) / PARALLEL)) \
+      OMP_NUM_THREADS=$threads \
         $python -m pytest "${report[@]}" -n "$PARALLEL" --dist loadfile --durations=25 \
         "${files[@]}" > "$out/runner-pytest.txt" 2>&1 || status=1
     else
