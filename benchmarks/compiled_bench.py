@@ -32,6 +32,7 @@ import datetime
 import multiprocessing
 import os
 import platform
+import queue
 import statistics
 import sys
 import tempfile
@@ -58,6 +59,9 @@ NAMES = {
 # The issue's targets on a GPU (ratio to the default engine); on the CPU only (a) has one.
 GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "call": 0.6}
 CPU_TARGETS = {"a": 0.98}
+# How often a waiting coordinator looks whether its child still lives, and how long it waits.
+POLL_SECONDS = 2.0
+ANSWER_LIMIT_SECONDS = 3600.0
 
 
 def double(value: Any, context: Any) -> Any:
@@ -147,7 +151,24 @@ class Engine:
         print(f"{kind} engine ready in {time.perf_counter() - started:.0f} s", flush=True)
 
     def answer(self, expected: str) -> tuple[Any, ...]:
-        found = self.results.get(timeout=3600)
+        """The child's next message, which must be `expected`. A child that died (an import
+        error, a failed start) fails the benchmark within seconds instead of leaving it waiting
+        for a message that will never come (a GPU call lost 570 s that way, 2026-12-02)."""
+        waited = 0.0
+        while True:
+            try:
+                found = self.results.get(timeout=POLL_SECONDS)
+                break
+            except queue.Empty:
+                waited += POLL_SECONDS
+                if not self.process.is_alive():
+                    raise RuntimeError(
+                        f"the {self.kind} engine's process ended (exit code "
+                        f"{self.process.exitcode}) before answering {expected!r}; its "
+                        "traceback is above") from None
+                if waited >= ANSWER_LIMIT_SECONDS:
+                    raise TimeoutError(f"the {self.kind} engine did not answer {expected!r} "
+                                       f"in {ANSWER_LIMIT_SECONDS} s") from None
         if found[0] != expected:
             raise RuntimeError(f"the {self.kind} engine answered {found!r}")
         return tuple(found)

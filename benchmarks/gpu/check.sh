@@ -14,6 +14,8 @@
 #                                         [C] / [D]; extra arguments (e.g. -k) go to pytest;
 #                                         PARALLEL=n (both suites) runs n pytest-xdist workers
 #                                         on one GPU (build-wheels.sh carries xdist there);
+#                                         PARALLEL=family (envoys): one process per family,
+#                                         all side by side (FAMILIES="a b" picks some);
 #                                         the runner's whole suite took 340 s under V2 and
 #                                         297 s under V1 with PARALLEL=5 (2026-12-02), over
 #                                         1,130 s in one process; SHARD=i/n runs the i-th of n
@@ -88,9 +90,13 @@ suites() {
   # start the `vllm-interp` command); tensor parallelism runs where there are two GPUs.
   local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE "${@:2}")
   # Side-by-side workers share the host's cores (their CPU oracles, transformers' threads).
-  local threads=$(($(nproc) / ${PARALLEL:-1}))
+  local threads=1
+  [ "${PARALLEL:-1}" != family ] && threads=$(($(nproc) / ${PARALLEL:-1}))
   export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
-  if [ "$which" = envoys ]; then
+  if [ "$which" = envoys ] && [ "${PARALLEL:-1}" = family ]; then
+    envoys_by_family
+    return
+  elif [ "$which" = envoys ]; then
     # PARALLEL=n: n pytest-xdist workers on one GPU, one family's tests on one worker (its
     # engine and oracle built once; the suite's conftest groups them); each engine asks for 15%.
     local spread=()
@@ -156,6 +162,46 @@ suites() {
   return $status
 }
 
+envoys_by_family() {
+  # PARALLEL=family: one pytest process per family (VLLM_INTERP_FAMILIES), all side by side, each
+  # with its own engine and oracle; on 2026-12-02 that ran the suite in 124 + 71 s where six
+  # xdist workers had not finished in 550 s. Each process stops after FAMILY_LIMIT seconds, so
+  # the report still comes back inside the call's limit. One file: every family's summary line,
+  # the whole output of any that failed.
+  local work families pids=() status=0
+  work=$(mktemp -d)
+  # FAMILIES="a b" runs only those (e.g. again, the ones that failed).
+  families=${FAMILIES:-$(cd packages/vllm-envoys/tests &&
+    $python -c "import conftest; print(*(case.name for case in conftest.CASES))")} || return 1
+  for family in $families; do
+    VLLM_INTERP_FAMILIES=$family OMP_NUM_THREADS=1 \
+      VLLM_INTERP_ORACLE_DEVICE=${VLLM_INTERP_ORACLE_DEVICE:-cuda} \
+      timeout "${FAMILY_LIMIT:-480}" $python -m pytest "${report[@]}" \
+      packages/vllm-envoys/tests/test_equivalence.py packages/vllm-envoys/tests/test_values.py \
+      > "$work/$family.txt" 2>&1 &
+    pids+=($!)
+  done
+  local i=0 rc
+  for family in $families; do
+    wait "${pids[$i]}"
+    rc=$?
+    i=$((i + 1))
+    echo "## $family (exit $rc): $(tail -1 "$work/$family.txt")" >> "$out/envoys-pytest.txt"
+    [ "$rc" = 0 ] || { status=1; grep -v WARNING "$work/$family.txt" >> "$out/envoys-pytest.txt"; }
+  done
+  grep "^## " "$out/envoys-pytest.txt"
+  return $status
+}
+
+require_vllm() {
+  # Every command but the installs needs the staged vLLM; without it (a piece missing, a refused
+  # first call) fail in seconds, not after a suite's or benchmark's whole limit.
+  $python -c "import vllm" > /dev/null 2>&1 && return 0
+  echo "check.sh: vLLM does not import from /tmp/site: copy every staged piece to /tmp/stage" \
+    "($(ls /tmp/stage 2> /dev/null | grep -c '^part') there now), then run 'check.sh install'" >&2
+  return 1
+}
+
 record() {
   # Real steps of vLLM's V2 runner as the adapter's test fixture (benchmarks/gpu/record_v2_steps.py).
   VLLM_USE_V2_MODEL_RUNNER=1 $python benchmarks/gpu/record_v2_steps.py "$1" "$out/v2_steps.json" \
@@ -192,4 +238,8 @@ compiled() {
   return $status
 }
 
+case ${1:-} in
+  install|install_ours) ;;
+  *) require_vllm || exit 3 ;;
+esac
 "$@"

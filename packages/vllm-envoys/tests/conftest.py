@@ -244,6 +244,24 @@ CASES = [
 ]
 
 
+
+def chosen_cases(cases: list[FamilyCase], names: str | None) -> list[FamilyCase]:
+    """The families named in `names` (comma-separated, exact), or all of them when it is unset.
+    `VLLM_INTERP_FAMILIES` lets benchmarks/gpu/check.sh run one pytest process per family side
+    by side; `-k` cannot pick one alone, as some names hold others (qwen2 in qwen2_moe)."""
+    if not names:
+        return cases
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    known = {case.name: case for case in cases}
+    if unknown := [name for name in wanted if name not in known]:
+        raise pytest.UsageError(f"VLLM_INTERP_FAMILIES names unknown families {unknown}; "
+                                f"known: {', '.join(known)}")
+    return [known[name] for name in wanted]
+
+
+CASES = chosen_cases(CASES, os.environ.get("VLLM_INTERP_FAMILIES"))
+
+
 @dataclass
 class FamilyRun:
     """One family's saved model, engine harness and transformers' recorded answers."""
