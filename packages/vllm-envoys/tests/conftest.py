@@ -244,7 +244,6 @@ CASES = [
 ]
 
 
-
 def chosen_cases(cases: list[FamilyCase], names: str | None) -> list[FamilyCase]:
     """The families named in `names` (comma-separated, exact), or all of them when it is unset.
     `VLLM_INTERP_FAMILIES` lets benchmarks/gpu/check.sh run one pytest process per family side
