@@ -1,23 +1,31 @@
 """A check, not a test (~1 min per family on 2 cores, too long for CI): for every family case of
 the vllm-envoys equivalence suite, our engine compiled with every value of its catalogue tapped
 (`LLM(enforce_eager=False, taps=...)`) against our eager engine on the same tiny random model.
-Each family must save the same values (the script prints the worst relative error), generate
-the same tokens and run no step eager. Run it before claiming a family works compiled:
+Each family must save the same values (the script prints the worst relative error, within
+1e-4 in float32 and 1e-1 in bfloat16, the envoys suite's tolerances), generate the same tokens
+and run no step eager. Run it before claiming a family works compiled:
 
-    python benchmarks/compiled_families_check.py [CASE ...]
+    python benchmarks/compiled_families_check.py [--parallel N] [CASE ...]
 
-(in an environment holding the stack and the envoys suite's test dependencies). Last run
-2026-12-02, vLLM 0.32 (CPU): all 19 cases equal (worst 1.9e-6), tokens equal, no eager step.
+(in an environment holding the stack and the envoys suite's test dependencies); it exits 1 if
+any family differs or fails. Each family runs in the dtype of its suite case (on a GPU,
+`VLLM_INTERP_ORACLE_DEVICE=cuda`, DeepSeek-V2 in bfloat16: vLLM 0.33 has no float32 latent
+attention on CUDA); `--parallel N` checks N families side by side (each its own engine
+processes; on the GPU: `benchmarks/gpu/check.sh families_compiled`). Last run 2026-12-02,
+vLLM 0.32 (CPU): all 19 cases equal (worst 1.9e-6), tokens equal, no eager step.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,9 +41,11 @@ from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
 
 path, engine, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-taps = json.loads(sys.argv[4])
-settings = dict(skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=64 << 20,
+taps, dtype = json.loads(sys.argv[4]), sys.argv[5]
+settings = dict(skip_tokenizer_init=True, dtype=dtype, kv_cache_memory_bytes=64 << 20,
                 max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, seed=0, **engine)
+if torch.cuda.is_available():  # vLLM checks this share is free at start: engines side by side
+    settings["gpu_memory_utilization"] = 0.05
 compiled = {} if taps is None else {"enforce_eager": False, "taps": taps}
 llm = LLM(path, **settings, **compiled)
 catalogue = [location for location, why in llm.support().items() if why is None]
@@ -50,9 +60,15 @@ torch.save({"catalogue": catalogue, "saved": outputs[0].saved, "error": outputs[
 '''
 
 
-def run_engine(folder: str, engine: str, taps: list[str] | None) -> dict:
+# The envoys suite's tolerances (test_equivalence.TOLERANCES), relative to a value's largest.
+TOLERANCES = {"float32": 1e-4, "bfloat16": 1e-1}
+
+
+def run_engine(folder: str, engine: str, taps: list[str] | None, dtype: str) -> dict:
+    """One engine of ours in a process of its own (eager, or compiled with `taps`): its saves
+    of every catalogue value for one request, both requests' tokens and its forwards."""
     out = os.path.join(folder, "eager.pt" if taps is None else "compiled.pt")
-    subprocess.run([sys.executable, "-c", ENGINE, folder, engine, out, json.dumps(taps)],
+    subprocess.run([sys.executable, "-c", ENGINE, folder, engine, out, json.dumps(taps), dtype],
                    check=True, capture_output=True, text=True, timeout=900)
     return torch.load(out, weights_only=False)
 
@@ -66,37 +82,54 @@ def worst_error(eager: dict, compiled: dict) -> tuple[float, str]:
     return max(found)
 
 
+def check_family(case: Any) -> bool:
+    """Build `case`'s random model, run it eager and compiled with every value tapped, print one
+    line saying whether they agree; True when they do."""
+    torch.manual_seed(0)
+    model = case.model(case.config())
+    with torch.no_grad():  # as the envoys suite widens its random models
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+            if name.endswith("sinks"):
+                parameter.normal_(0.0, 1.0)
+    folder = tempfile.mkdtemp()
+    model.save_pretrained(folder, safe_serialization=True)
+    engine = json.dumps(dict(case.engine))
+    try:
+        eager = run_engine(folder, engine, None, case.dtype)
+        taps = [location for location in eager["catalogue"]
+                if location not in ("logits", "next_token_probs")]
+        compiled = run_engine(folder, engine, taps, case.dtype)
+    except subprocess.CalledProcessError as error:
+        print(f"{case.name}: FAILED\n{error.stderr[-3000:]}", flush=True)
+        return False
+    same = (eager["tokens"] == compiled["tokens"] and eager["error"] is None
+            and compiled["error"] is None and compiled["forwards"]["eager"] == 0)
+    error, where = worst_error(eager, compiled)
+    agree = same and error <= TOLERANCES[case.dtype]
+    print(f"{case.name} ({case.dtype}): {'ok' if agree else 'DIFFERS'}; worst relative error "
+          f"{error:.1e} ({where}); forwards {compiled['forwards']}", flush=True)
+    return agree
+
+
 def main() -> None:
     from conftest import CASES
 
-    wanted = set(sys.argv[1:])
-    for case in CASES:
-        if wanted and case.name not in wanted:
-            continue
-        torch.manual_seed(0)
-        model = case.model(case.config())
-        with torch.no_grad():  # as the envoys suite widens its random models
-            for name, parameter in model.named_parameters():
-                if parameter.dim() > 1:
-                    parameter.normal_(0.0, 0.08)
-                if name.endswith("sinks"):
-                    parameter.normal_(0.0, 1.0)
-        folder = tempfile.mkdtemp()
-        model.save_pretrained(folder, safe_serialization=True)
-        engine = json.dumps(dict(case.engine))
-        try:
-            eager = run_engine(folder, engine, None)
-            taps = [location for location in eager["catalogue"]
-                    if location not in ("logits", "next_token_probs")]
-            compiled = run_engine(folder, engine, taps)
-        except subprocess.CalledProcessError as error:
-            print(f"{case.name}: FAILED\n{error.stderr[-3000:]}", flush=True)
-            continue
-        same = (eager["tokens"] == compiled["tokens"] and eager["error"] is None
-                and compiled["error"] is None and compiled["forwards"]["eager"] == 0)
-        error, where = worst_error(eager, compiled)
-        print(f"{case.name}: {'ok' if same and error <= 1e-4 else 'DIFFERS'}; worst relative "
-              f"error {error:.1e} ({where}); forwards {compiled['forwards']}", flush=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", help="family case names (default: all)")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="families checked side by side (each its own engine processes)")
+    arguments = parser.parse_args()
+    known = {case.name for case in CASES}
+    if unknown := [name for name in arguments.cases if name not in known]:
+        raise SystemExit(f"unknown family cases {unknown}; known: {', '.join(sorted(known))}")
+    chosen = [case for case in CASES if not arguments.cases or case.name in arguments.cases]
+    # Threads only wait on the engines' processes; the models are built one at a time each.
+    with ThreadPoolExecutor(max_workers=max(1, arguments.parallel)) as pool:
+        results = list(pool.map(check_family, chosen))
+    print(f"{sum(results)} of {len(results)} families agree", flush=True)
+    sys.exit(0 if all(results) else 1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@
 #                                         1,130 s in one process; SHARD=i/n runs the i-th of n
 #                                         slices of its files; VLLM_INTERP_SUITE_COMPILED=1 runs
 #                                         the runner's compiled pass (as nox -s tests does)
+#   benchmarks/gpu/check.sh families_compiled [CASE ...]   every envoys family compiled with
+#                                         every value a tap against eager (issue [K]; PARALLEL=9)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
 #   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,
@@ -200,6 +202,18 @@ require_vllm() {
   echo "check.sh: vLLM does not import from /tmp/site: copy every staged piece to /tmp/stage" \
     "($(ls /tmp/stage 2> /dev/null | grep -c '^part') there now), then run 'check.sh install'" >&2
   return 1
+}
+
+families_compiled() {
+  # Issue [K] "the equivalence suites with graphs on": every family case of the envoys suite,
+  # our engine compiled (CUDA graphs) with every value tapped against our eager engine, nine
+  # families side by side (benchmarks/compiled_families_check.py; DeepSeek in bfloat16).
+  VLLM_INTERP_ORACLE_DEVICE=cuda OMP_NUM_THREADS=1 TRITON_F32_DEFAULT=ieee \
+    $python benchmarks/compiled_families_check.py --parallel "${PARALLEL:-9}" "$@" \
+    > "$out/families-compiled.txt" 2>&1
+  local status=$?
+  grep -v WARNING "$out/families-compiled.txt" | tail -40
+  return $status
 }
 
 record() {
