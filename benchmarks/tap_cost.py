@@ -1,0 +1,92 @@
+"""What one tap's Python costs per step: the host time a `Save` at a plain tap adds.
+
+Issue [K]'s arm (c), every request saving every layer through the taps' Python, is bounded by
+this host time: on a GPU a CUDA-graph step of a small model takes a few milliseconds, and each
+tap's Python runs between the pieces of the graph at every step. The model here is a thin
+random Llama (hidden 64, 30 layers by default), so the forward itself costs little and the
+difference between generating with and without a `Save` at every layer is mostly our Python:
+
+    python benchmarks/tap_cost.py [--requests 64] [--layers 30] [--profile]
+
+(in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
+benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost per tap call
+(the difference over forwards x layers; it includes each request's share of collection at the
+end), and with `--profile` where our code spends it. Results: docs/cuda-graphs-design.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def thin_model(folder: Path, layers: int) -> str:
+    """A random Llama of `layers` layers, 64 wide, saved in `folder`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    return str(folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="also profile one saving run")
+    arguments = parser.parse_args()
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm_runner import LLM, ops
+
+    model = thin_model(Path(tempfile.mkdtemp()), arguments.layers)
+    llm = LLM(model, skip_tokenizer_init=True, enforce_eager=False,
+              taps=["layers.*.layer_output"], kv_cache_memory_bytes=256 << 20,
+              max_model_len=256, seed=0)
+    params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 250 + 1 for j in range(24)])
+               for i in range(arguments.requests)]
+    saving = [[ops.Save("layers.*.layer_output")]] * arguments.requests
+
+    def timed(programs: Any) -> tuple[float, int]:
+        before = sum(llm.forwards().values())
+        start = time.perf_counter()
+        llm.generate(prompts, params, interventions=programs, use_tqdm=False)
+        return time.perf_counter() - start, sum(llm.forwards().values()) - before
+
+    timed(saving)  # warm: the first steps of each batch size
+    for repeat in range(arguments.repeats):
+        plain, forwards = timed(None)
+        saved, _ = timed(saving)
+        per_call = (saved - plain) / (forwards * arguments.layers)
+        print(f"repeat {repeat}: without programs {plain:.3f} s, saving every layer {saved:.3f} s"
+              f" ({forwards} forwards): {per_call * 1e6:.0f} us per tap call for "
+              f"{arguments.requests} requests", flush=True)
+    if arguments.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        timed(saving)
+        profile.disable()
+        report = io.StringIO()
+        pstats.Stats(profile, stream=report).sort_stats("cumtime").print_stats(
+            "vllm_runner|tokenspan|vllm_envoys", 30)
+        print(report.getvalue())
+
+
+if __name__ == "__main__":
+    main()
