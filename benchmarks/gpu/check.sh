@@ -95,7 +95,10 @@ suites() {
   local threads=1
   [ "${PARALLEL:-1}" != family ] && threads=$(($(nproc) / ${PARALLEL:-1}))
   export TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-ieee
-  if [ "$which" = envoys ] && [ "${PARALLEL:-1}" = family ]; then
+  if [ "${PARALLEL:-1}" = family ] && [ "$which" != envoys ]; then
+    echo "check.sh: PARALLEL=family is for the envoys suite; the runner suite takes PARALLEL=n" >&2
+    return 2
+  elif [ "$which" = envoys ] && [ "${PARALLEL:-1}" = family ]; then
     envoys_by_family
     return
   elif [ "$which" = envoys ]; then
