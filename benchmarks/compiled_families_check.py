@@ -46,7 +46,8 @@ settings = dict(skip_tokenizer_init=True, dtype=dtype, kv_cache_memory_bytes=64 
                 max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, seed=0, **engine)
 if torch.cuda.is_available():  # vLLM checks this share is free at start: engines side by side
     settings["gpu_memory_utilization"] = 0.05
-compiled = {} if taps is None else {"enforce_eager": False, "taps": taps}
+# Both spelled out: on a GPU our LLM compiles unless told otherwise.
+compiled = {"enforce_eager": True} if taps is None else {"enforce_eager": False, "taps": taps}
 llm = LLM(path, **settings, **compiled)
 catalogue = [location for location, why in llm.support().items() if why is None]
 prompts = [[5, 17, 99, 3, 42, 7, 8, 9, 10, 11, 12], [91, 45, 12]]
