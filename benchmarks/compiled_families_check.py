@@ -86,14 +86,9 @@ def worst_error(eager: dict, compiled: dict) -> tuple[float, str]:
 def check_family(case: Any) -> bool:
     """Build `case`'s random model, run it eager and compiled with every value tapped, print one
     line saying whether they agree; True when they do."""
-    torch.manual_seed(0)
-    model = case.model(case.config())
-    with torch.no_grad():  # as the envoys suite widens its random models
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.08)
-            if name.endswith("sinks"):
-                parameter.normal_(0.0, 1.0)
+    from conftest import random_model
+
+    model = random_model(case)  # the envoys suite's own model of this family
     folder = tempfile.mkdtemp()
     model.save_pretrained(folder, safe_serialization=True)
     engine = json.dumps(dict(case.engine))

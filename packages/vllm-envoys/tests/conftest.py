@@ -261,6 +261,21 @@ def chosen_cases(cases: list[FamilyCase], names: str | None) -> list[FamilyCase]
 CASES = chosen_cases(CASES, os.environ.get("VLLM_INTERP_FAMILIES"))
 
 
+def random_model(case: FamilyCase) -> torch.nn.Module:
+    """`case`'s transformers model with seeded random weights, wide enough that every layer does
+    visible work (also what benchmarks/compiled_families_check.py checks each family on)."""
+    torch.manual_seed(0)
+    model = case.model(case.config())
+    with torch.no_grad():  # random init is tiny; widen it so layers do visible work
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):  # GPT-OSS: sinks large enough to take visible mass
+                parameter.normal_(0.0, 1.0)
+    return model
+
+
 @dataclass
 class FamilyRun:
     """One family's saved model, engine harness and transformers' recorded answers."""
@@ -294,15 +309,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     from vllm_harness import EnvoyHarness, shutdown, start_engine
 
     case: FamilyCase = request.param
-    torch.manual_seed(0)
-    model = case.model(case.config())
-    with torch.no_grad():  # random init is tiny; widen it so layers do visible work
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.normal_(0.0, 0.08)
-        for name, parameter in model.named_parameters():
-            if name.endswith("sinks"):  # GPT-OSS: sinks large enough to take visible mass
-                parameter.normal_(0.0, 1.0)
+    model = random_model(case)
     path = tmp_path_factory.mktemp(case.name)
     model.save_pretrained(path, safe_serialization=True)
     # transformers first: vLLM's Transformers backend patches transformers' classes in place.
