@@ -17,6 +17,10 @@ SHAPES = {
     "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  tie_word_embeddings=False),
+    # Thin and deep: a forward that costs little, so a benchmark sees its per-layer host work.
+    "thin-30": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=30,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                    tie_word_embeddings=False),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, tie_word_embeddings=True, rope_theta=100000.0),

@@ -3,10 +3,11 @@
 Issue [K]'s arm (c), every request saving every layer through the taps' Python, is bounded by
 this host time: on a GPU a CUDA-graph step of a small model takes a few milliseconds, and each
 tap's Python runs between the pieces of the graph at every step. The model here is a thin
-random Llama (hidden 64, 30 layers by default), so the forward itself costs little and the
-difference between generating with and without a `Save` at every layer is mostly our Python:
+random Llama (`random_models`' `thin-30`: hidden 64, 30 layers), so the forward itself costs
+little and the difference between generating with and without a `Save` at every layer is
+mostly our Python:
 
-    python benchmarks/tap_cost.py [--requests 64] [--layers 30] [--profile]
+    python benchmarks/tap_cost.py [--requests 64] [--profile]
 
 (in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
 benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost per tap call
@@ -19,42 +20,28 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
-
-
-def thin_model(folder: Path, layers: int) -> str:
-    """A random Llama of `layers` layers, 64 wide, saved in `folder`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    return str(folder)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also profile one saving run")
     arguments = parser.parse_args()
 
+    import torch
+    from random_models import SHAPES, random_checkpoint
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm_runner import LLM, ops
 
-    model = thin_model(Path(tempfile.mkdtemp()), arguments.layers)
+    model = random_checkpoint("thin-30", tempfile.mkdtemp(), torch.float32)
+    layers = SHAPES["thin-30"]["num_hidden_layers"]
     llm = LLM(model, skip_tokenizer_init=True, enforce_eager=False,
               taps=["layers.*.layer_output"], kv_cache_memory_bytes=256 << 20,
               max_model_len=256, seed=0)
@@ -73,7 +60,7 @@ def main() -> None:
     for repeat in range(arguments.repeats):
         plain, forwards = timed(None)
         saved, _ = timed(saving)
-        per_call = (saved - plain) / (forwards * arguments.layers)
+        per_call = (saved - plain) / (forwards * layers)
         print(f"repeat {repeat}: without programs {plain:.3f} s, saving every layer {saved:.3f} s"
               f" ({forwards} forwards): {per_call * 1e6:.0f} us per tap call for "
               f"{arguments.requests} requests", flush=True)
