@@ -33,6 +33,7 @@ def refused_taps_message(refused: dict[str, str]) -> str:
     never serve."""
     return "; ".join(f"tap {pattern!r}: {reason}" for pattern, reason in refused.items())
 
+
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).
 READS_VARIABLE = "VLLM_INTERP_READS"
 
