@@ -156,11 +156,15 @@ def gpt_oss_config() -> GptOssConfig:
 def deepseek_v2_config() -> DeepseekV2Config:
     # Layer 0 dense, layers 1 and 2 routed with a shared expert; MLA with no query LoRA. The
     # CPU MLA kernel takes only a 576-wide latent (kv_lora_rank 512 + rope 64), as in DeepSeek.
+    # On CUDA, vLLM 0.33's only MLA prefill backend before Blackwell (FlashAttention) takes
+    # three head-dim triples (nope/rope/v): 128/64/128, 192/64/256 and 64/64/128; the smallest
+    # is used on both devices, so CPU and GPU check one model (32/64/32 was refused on the H200,
+    # 2026-12-02: "Model does not have supported MLA dimensions").
     shape = {key: value for key, value in SHAPE.items() if key != "head_dim"}
     return DeepseekV2Config(**{**shape, "num_key_value_heads": 4}, moe_intermediate_size=128,
                             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                             first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
-                            qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                            qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
                             topk_method="greedy", n_group=1, topk_group=1,
                             routed_scaling_factor=1.0, norm_topk_prob=False)
 
