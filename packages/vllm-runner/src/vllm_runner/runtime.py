@@ -23,6 +23,7 @@ from vllm_runner.hooks import SAMPLER_HOOK, Hooks
 from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
+from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
 from vllm_runner.ops import Op
 from vllm_runner.program import Program, ProgramCache, ProgramData
 from vllm_runner.serving import OpGroup, Services, Visits, serve
@@ -82,6 +83,7 @@ class Runtime:
                  rank: int = 0, reads: ReadMode = "lease",
                  device_saves_limit: int | None = None) -> None:
         self.device_saves_limit = device_saves_limit
+        self._model = model
         self.standard = standardize(model, hf_config)
         self.values = self.standard.values()
         self.store = SaveStore()
@@ -138,7 +140,13 @@ class Runtime:
         `LLM` reports them. At the taps `in_graph` names (also among `patterns`), `Add`s and
         `Save`s run inside the graph (`in_graph`), with buffers for `rows` rows (the most one
         forward runs) and `slots` steered requests (the most one step holds)."""
-        locations, refused = tap_locations(patterns, self.resolve, self.support())
+        opaque = called_inside_opaque_ops(self._model)
+
+        def untappable(location: str) -> str | None:
+            op_name = opaque.get(id(self.values[location].module))
+            return None if op_name is None else opaque_reason(location, op_name)
+
+        locations, refused = tap_locations(patterns, self.resolve, self.support(), untappable)
         graph_locations = []
         for pattern in in_graph:
             try:
@@ -456,10 +464,13 @@ class Runtime:
 
 
 def tap_locations(patterns: Sequence[str], resolve_pattern: Callable[[str], list[str]],
-                  support: dict[str, str | None]) -> tuple[list[str], dict[str, str]]:
+                  support: dict[str, str | None],
+                  untappable: Callable[[str], str | None] = lambda location: None,
+                  ) -> tuple[list[str], dict[str, str]]:
     """The canonical locations `patterns` tap, in order and once each, and the patterns
-    refused with the reason: one that names nothing, a value this model never serves, or a
-    sampled-row value (read after the model, on every path: it needs no tap)."""
+    refused with the reason: one that names nothing, a value this model never serves, a
+    sampled-row value (read after the model, on every path: it needs no tap), or one where
+    `untappable` says why no tap can serve it on this engine."""
     locations: list[str] = []
     refused: dict[str, str] = {}
     for pattern in patterns:
@@ -474,6 +485,8 @@ def tap_locations(patterns: Sequence[str], resolve_pattern: Callable[[str], list
                                     "part, on every path: it needs no tap")
             elif (reason := support.get(location)) is not None:
                 refused[pattern] = f"{location} is never available on this model: {reason}"
+            elif (reason := untappable(location)) is not None:
+                refused[pattern] = reason
             elif location not in locations:
                 locations.append(location)
     return locations, refused
