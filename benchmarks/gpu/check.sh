@@ -245,10 +245,11 @@ bench() {
 compiled() {
   # Issue [K]: ours compiled with taps against vLLM's real default (CUDA graphs, compiled), on
   # the runner vLLM picks (V2 unless VLLM_USE_V2_MODEL_RUNNER=0), each engine in its own process.
+  # ARMS="a,b,d" runs only those arms (all by default; the eager engine only with its arm).
   local shape=${1:-smollm2-135m} repeats=${2:-3}
   local name="compiled-$shape"
   $python benchmarks/compiled_bench.py --shape "$shape" --dtype bfloat16 --repeats "$repeats" \
-    --concurrency 64 --requests 256 --max-tokens 128 --out "$out/$name.md" \
+    --concurrency 64 --requests 256 --max-tokens 128 --out "$out/$name.md" ${ARMS:+--arms "$ARMS"} \
     > "$out/$name.log" 2>&1
   local status=$?
   grep -v WARNING "$out/$name.log" | grep -v "Capturing CUDA graphs" | tail -30

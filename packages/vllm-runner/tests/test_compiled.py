@@ -163,7 +163,8 @@ def test_taps_are_the_canonical_locations_of_their_patterns(ours) -> None:
 
 
 def test_bad_taps_are_refused_by_name(ours) -> None:
-    assert ours["refused"] is not None and ours["refused"].startswith("LocationError: ")
+    # `TapsRefused`, a `LocationError`: the message names each pattern and why.
+    assert ours["refused"] is not None and ours["refused"].startswith("TapsRefused: ")
     assert "tap 'layers.9.layer_output'" in ours["refused"]
     assert "tap 'layers.1.self_attn.attention_queries': layers.1.self_attn.attention_queries " \
         "(batch heads tokens head_dim) is not a residual-width value" in ours["refused"]

@@ -144,9 +144,9 @@ def test_what_the_graph_serves_and_what_it_leaves_to_the_taps_python() -> None:
 def test_more_steered_requests_than_slots_is_refused_before_anything_is_written() -> None:
     _, in_graph, _ = steered_toy(None)
     steer = in_graph.steer
-    with pytest.raises(ValueError, match="more than the 3 slots"):
+    with pytest.raises(ValueError, match="4 steering vectors in one step, more than the 3 slots"):
         steer.fill([SteeredRows(i, i + 1, 0, torch.ones(WIDTH), None) for i in range(4)])
-    assert not steer.scale.any()
+    assert not steer.index.any()
 
 
 def test_a_vector_that_overflows_the_models_dtype_is_refused_before_anything_is_written() -> None:
@@ -156,7 +156,7 @@ def test_a_vector_that_overflows_the_models_dtype_is_refused_before_anything_is_
     with pytest.raises(ValueError, match=r"not finite in torch\.float16"):
         steer.fill([SteeredRows(0, 2, 0, torch.ones(WIDTH), None),
                     SteeredRows(2, 3, 0, torch.full((WIDTH,), 1e5), None)])
-    assert not steer.scale.any() and not steer.table.any()
+    assert not steer.index.any() and not steer.table.any()
 
 
 def test_the_stream_is_saved_as_the_sum_of_its_halves() -> None:
@@ -166,3 +166,28 @@ def test_the_stream_is_saved_as_the_sum_of_its_halves() -> None:
     hidden, residual = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
     rows.apply(module, (hidden, residual))  # nothing steered: the halves as they came
     assert torch.equal(rows.saves.ring[:2], hidden + residual)
+
+
+def test_requests_of_one_program_share_a_slot_and_a_new_set_of_vectors_replaces_the_last() -> None:
+    """One vector per program (not per request) in the table, rewritten only when the step's
+    vectors change: a step whose single vector differs from the last step's single vector must
+    still get its own."""
+    toy, in_graph, run = steered_toy("aot_eager")
+    steer = in_graph.steer
+    x = torch.randn(7, WIDTH)
+    first = torch.nn.functional.linear(x, toy.first.weight, toy.first.bias).detach()
+    cache = steer.vectors
+    add_one, add_other = ops.Add("first.out", torch.randn(WIDTH), scale=0.5), \
+        ops.Add("first.out", torch.randn(WIDTH))
+    one = cache.vector((add_one,))
+    assert cache.vector((add_one,)) is one  # computed once per program
+    assert torch.equal(cache.vector((add_one, add_other)),
+                       0.5 * add_one.vector + add_other.vector)
+    for vector in (one, cache.vector((add_other,))):
+        steer.fill([SteeredRows(0, 2, 0, vector, None), SteeredRows(3, 5, 0, vector, None)])
+        assert int(steer.index.max()) == 1  # both requests in slot 1
+        expected = first.clone()
+        expected[0:2] += vector
+        expected[3:5] += vector
+        assert torch.allclose(run(x), toy.second(torch.relu(expected)), atol=1e-5)
+        steer.clear()

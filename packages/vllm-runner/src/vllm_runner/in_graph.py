@@ -107,6 +107,7 @@ class InGraphBuffers:
             for number, value in enumerate(values) if in_graph_value(value)}
 
     def bytes_per_value(self, rows: int, slots: int) -> int:
-        """What one value's buffers hold, in bytes: the ring and the vector table dominate."""
+        """What one value's buffers hold, in bytes: the ring and the vector table (with its
+        zero slot) dominate; the row index is 8 bytes a row."""
         size = torch.empty((), dtype=self.dtype).element_size()
-        return (self.width or 0) * (rows + slots) * size + rows * (8 + size)
+        return (self.width or 0) * (rows + slots + 1) * size + rows * 8

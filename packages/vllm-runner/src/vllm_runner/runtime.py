@@ -357,7 +357,8 @@ class Runtime:
                     for members in groups for want in members):
                 continue
             try:
-                if steered := steered_rows(self.values[location], groups, self.store.failed):
+                if steered := steered_rows(self.values[location], groups, self.store.failed,
+                                           rows.steer.vectors):
                     rows.steer.fill(steered)
             except Exception:  # the tap's Python serves them then, failing only whom it must
                 logger.exception("vllm-runner: %s could not be served in the graph", location)

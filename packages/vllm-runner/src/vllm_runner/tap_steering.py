@@ -3,13 +3,20 @@ which ops and values are served this way: `in_graph`).
 
 A tap's op runs Python at every forward (`taps`); on a GPU its piecewise graphs split around it,
 and a step whose programs act there cannot replay a full CUDA graph. An `Add` needs no Python in
-the forward: each row of the step gets `scale[row] * table[index[row]]`, where `table` holds
-this step's vectors (one per steered request), `index` the vector of each row and `scale` 1 on
-the rows an `Add` keeps and 0 elsewhere (every other request, padding, positions it skips).
-Those three tensors are buffers of the tapped module, so the compiler sees them as the model's
-own inputs (never as constants it could fold) and a CUDA graph reads them where they live; the
-runtime rewrites their contents before each forward that steers there (`SteerRows.fill`) and
-zeroes them after, so a step that does not steer adds zeros.
+the forward: each row of the step gets `table[index[row]]`, where `table` holds this step's
+distinct vectors from slot 1 on, slot 0 staying zero, and `index` the slot of each row (0 on
+every other request, on padding and on positions a filtered `Add` skips). Both are buffers of
+the tapped module, so the compiler sees them as the model's own inputs (never as constants it
+could fold) and a CUDA graph reads them where they live; the runtime rewrites them before each
+forward that steers there (`SteerRows.fill`) and points every row back at slot 0 after it, so a
+step that does not steer adds zeros.
+
+Filling must not make the host wait for the device: vLLM's V2 runner prepares a step while the
+GPU still runs the last one, and a copy from ordinary host memory waits for the GPU to finish
+everything queued first (three such copies a step halved throughput with every request
+steered, H200, 2026-12-02). So the host data crosses through pinned buffers with copies that do
+not wait (`StagedCopies`), and requests running the same program share one vector, computed
+once (`VectorCache`): the table is rewritten only when the step's set of vectors changes.
 
 A row gets one vector: several unfiltered `Add`s of a request at one location are summed into
 one (`steered_rows`).
@@ -20,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from vllm_envoys import Value
@@ -31,7 +39,8 @@ from vllm_runner.serving import Want, passed_over
 @dataclass(frozen=True)
 class SteeredRows:
     """One request's rows of a step at a location and the vector they get (`scale * vector`
-    summed over its `Add`s there), with `keep(position)` for a filtered `Add`."""
+    summed over its `Add`s there), with `keep(position)` for a filtered `Add`. Requests that
+    run the same program share one `vector` object (`VectorCache`)."""
 
     start: int
     stop: int
@@ -40,86 +49,151 @@ class SteeredRows:
     keep: Callable[[int], bool] | None
 
 
+class StagedCopies:
+    """Host-to-device copies that do not make the host wait: each goes through a pinned buffer
+    (one of `BUFFERS`, taken in turn), reused only once the copy that last read it has run."""
+
+    BUFFERS = 4  # a step makes one or two copies; the host runs at most a step or two ahead
+
+    def __init__(self, device: torch.device) -> None:
+        self._asynchronous = device.type == "cuda"
+        self._buffers: list[torch.Tensor | None] = [None] * self.BUFFERS
+        self._done: list[torch.cuda.Event | None] = [None] * self.BUFFERS
+        self._turn = 0
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """`destination.copy_(source)` (`source` on the host), queued on the current stream."""
+        if not self._asynchronous:
+            destination.copy_(source)
+            return
+        turn, self._turn = self._turn, (self._turn + 1) % self.BUFFERS
+        done = self._done[turn]
+        if done is not None:
+            done.synchronize()  # long done, unless the host is two steps ahead of the device
+        buffer = self._buffers[turn]
+        size = source.numel() * source.element_size()
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[turn] = torch.empty(max(size, 1 << 16), dtype=torch.uint8,
+                                                       pin_memory=True)
+        staged = buffer[:size].view(source.dtype).view(source.shape)
+        staged.copy_(source)
+        destination.copy_(staged, non_blocking=True)
+        event = self._done[turn] = self._done[turn] or torch.cuda.Event()
+        event.record()
+
+
+class VectorCache:
+    """Each program's steering vector at a location (its `Add`s there, scaled and summed, in
+    float32 on the host), computed and checked once, then shared by every request running it."""
+
+    LIMIT = 1024  # entries kept before the cache starts again (programs come and go)
+
+    def __init__(self) -> None:
+        self._vectors: dict[tuple[int, ...], tuple[tuple[Add, ...], torch.Tensor]] = {}
+
+    def vector(self, adds: tuple[Add, ...]) -> torch.Tensor:
+        """The summed vector of `adds` (the same object for the same ops)."""
+        key = tuple(map(id, adds))
+        found = self._vectors.get(key)
+        if found is None:
+            if len(self._vectors) >= self.LIMIT:
+                self._vectors.clear()
+            vector = sum((add.vector.detach().to("cpu", torch.float32).reshape(-1)
+                          * float(add.scale) for add in adds), torch.zeros(()))
+            found = self._vectors[key] = (adds, vector)  # the ops kept: their ids stay theirs
+        return found[1]
+
+
 class SteerRows:
     """The buffers of one steerable tapped value, and the code the tap's hook runs with them."""
 
     def __init__(self, value: Value, width: int, rows: int, slots: int, name: str,
                  device: torch.device, dtype: torch.dtype) -> None:
-        """Buffers for `slots` vectors of `width` and `rows` rows (the most one forward runs),
-        registered on the value's module as `interp_steer_<name>_*` (not saved with it)."""
+        """Buffers for `slots` vectors of `width` (and the zero slot) and `rows` rows (the most
+        one forward runs), registered on the value's module as `interp_steer_<name>_*` (not
+        saved with it)."""
         module = value.module
         self.location = value.location
         self.width = width
-        self._names = tuple(f"interp_steer_{name}_{part}" for part in ("table", "index", "scale"))
+        self._names = tuple(f"interp_steer_{name}_{part}" for part in ("table", "index"))
         for part, tensor in zip(self._names, (
-                torch.zeros(slots, width, device=device, dtype=dtype),
-                torch.zeros(rows, device=device, dtype=torch.long),
-                torch.zeros(rows, device=device, dtype=dtype)), strict=True):
+                torch.zeros(slots + 1, width, device=device, dtype=dtype),
+                torch.zeros(rows, device=device, dtype=torch.long)), strict=True):
             module.register_buffer(part, tensor, persistent=False)
-        self.table, self.index, self.scale = (getattr(module, part) for part in self._names)
+        self.table, self.index = (getattr(module, part) for part in self._names)
+        self.vectors = VectorCache()
+        self._copies = StagedCopies(device)
+        self._in_table: tuple[torch.Tensor, ...] = ()  # the vectors in slots 1.. now
         self.dirty = False
 
     def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
         """Add each row's vector to `rows` (`[tokens, hidden]`) in place, traced into the
         compiled graph: no Python at run time. The buffers are read through `module`, so the
         compiler takes them as inputs."""
-        table, index, scale = (getattr(module, part) for part in self._names)
-        count = rows.shape[0]
-        rows.add_(table.index_select(0, index[:count]) * scale[:count, None])
+        table, index = (getattr(module, part) for part in self._names)
+        rows.add_(table.index_select(0, index[:rows.shape[0]]))
 
     def fill(self, steered: list[SteeredRows]) -> None:
-        """Write this step's vectors, row indices and scales (zeros on every other row). Only
-        the rows up to the last steered one are written: past it the scales are zero already
-        (`clear` after every step that steered)."""
-        if len(steered) > self.table.shape[0]:
-            raise ValueError(f"{self.location}: {len(steered)} steered requests in one step, "
-                             f"more than the {self.table.shape[0]} slots")
-        vectors = torch.stack([rows.vector.reshape(-1).expand(self.width)
-                               for rows in steered]).to(self.table.dtype) if steered else None
-        # A vector that overflows the model's dtype (float16) would put inf in the table, and
-        # `0 * inf` is NaN on every row whose scale is 0: other requests' rows included.
-        if vectors is not None and not bool(torch.isfinite(vectors).all()):
-            raise ValueError(f"{self.location}: a steering vector is not finite in "
-                             f"{self.table.dtype}")
-        self.dirty = True  # from here on `clear` zeroes the scales, whatever fails below
+        """Write this step's vectors (only if they changed) and each row's slot (up to the last
+        steered row: past it every row points at the zero slot already, `clear` after every step
+        that steered)."""
+        slots: dict[int, int] = {}
+        for rows in steered:
+            slots.setdefault(id(rows.vector), len(slots) + 1)
+        if len(slots) > self.table.shape[0] - 1:
+            raise ValueError(f"{self.location}: {len(slots)} steering vectors in one step, more "
+                             f"than the {self.table.shape[0] - 1} slots")
+        vectors = tuple({id(rows.vector): rows.vector for rows in steered}.values())
+        if len(vectors) != len(self._in_table) or any(
+                new is not old for new, old in zip(vectors, self._in_table, strict=False)):
+            table = torch.stack([vector.expand(self.width) for vector in vectors]).to(
+                self.table.dtype) if vectors else None
+            # A vector that overflows the model's dtype (float16) would put inf on its rows.
+            if table is not None and not bool(torch.isfinite(table).all()):
+                raise ValueError(f"{self.location}: a steering vector is not finite in "
+                                 f"{self.table.dtype}")
+            if table is not None:
+                self._copies.copy(self.table[1:1 + len(vectors)], table)
+            self._in_table = vectors
         end = max((rows.stop for rows in steered), default=0)
-        index = torch.zeros(end, dtype=torch.long)
-        scale = torch.zeros(end, dtype=torch.float32)
-        for slot, rows in enumerate(steered):
-            index[rows.start:rows.stop] = slot
+        index = np.zeros(end, dtype=np.int64)
+        for rows in steered:
+            slot = slots[id(rows.vector)]
             if rows.keep is None:
-                scale[rows.start:rows.stop] = 1.0
+                index[rows.start:rows.stop] = slot
             else:
-                scale[rows.start:rows.stop] = torch.tensor(
-                    [float(rows.keep(rows.first_position + offset))
-                     for offset in range(rows.stop - rows.start)])
-        if vectors is not None:
-            self.table[:len(steered)].copy_(vectors)
-        self.index[:end].copy_(index)
-        self.scale[:end].copy_(scale.to(self.scale.dtype))
+                index[rows.start:rows.stop] = [
+                    slot if rows.keep(rows.first_position + offset) else 0
+                    for offset in range(rows.stop - rows.start)]
+        self.dirty = True  # from here on `clear` points the rows back at the zero slot
+        self._copies.copy(self.index[:end], torch.from_numpy(index))
 
     def clear(self) -> None:
         """No row steered (after a step that steered here)."""
         if self.dirty:
-            self.scale.zero_()
+            self.index.zero_()
             self.dirty = False
 
 
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
-                 failed: Callable[[str], bool]) -> list[SteeredRows]:
+                 failed: Callable[[str], bool], vectors: VectorCache) -> list[SteeredRows]:
     """Each waiting request's rows and vector at `value` this step: its `Add`s there summed
-    (`scale * vector`, in float32), skipping requests whose program failed and steps the value
-    is not served at (as the taps' Python would)."""
-    found: dict[str, SteeredRows] = {}
+    (`scale * vector`, in float32, once per program: `vectors`), skipping requests whose
+    program failed and steps the value is not served at (as the taps' Python would)."""
+    found: dict[str, tuple[Want, list[Add]]] = {}
     for want in (want for members in groups for want in members):
         op = want.op
         if not isinstance(op, Add) or passed_over(want, value, failed):
             continue
-        vector = op.vector.detach().to("cpu", torch.float32).reshape(-1) * float(op.scale)
         earlier = found.get(want.request_id)
-        if earlier is not None:  # unfiltered `Add`s only (`in_graph.in_graph_ops`): one sum
-            vector = earlier.vector + vector
+        if earlier is None:
+            found[want.request_id] = (want, [op])
+        else:  # unfiltered `Add`s only (`in_graph.in_graph_ops`): one sum
+            earlier[1].append(op)
+    steered = []
+    for want, adds in found.values():
         span = want.span
-        found[want.request_id] = SteeredRows(span.start, span.stop, span.first_position,
-                                             vector, op.keeps(want.step.prompt_length))
-    return list(found.values())
+        steered.append(SteeredRows(span.start, span.stop, span.first_position,
+                                   vectors.vector(tuple(adds)),
+                                   adds[0].keeps(want.step.prompt_length)))
+    return steered
