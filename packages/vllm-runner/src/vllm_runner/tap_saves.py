@@ -54,10 +54,10 @@ class SaveRing:
         pieces: list[torch.Tensor] = []
         for run in _runs(sorted(spans.items(), key=lambda item: item[1].start)):
             start, stop = run[0][1].start, run[-1][1].stop
-            copied = self.ring[start:stop].clone()
-            for program_id, span in run:
-                owners.append((program_id, span.first_position))
-                pieces.append(copied[span.start - start:span.stop - start].unsqueeze(0))
+            # One copy per run; its requests' pieces as views, made in one call.
+            copied = self.ring[start:stop].clone().unsqueeze(0)
+            pieces.extend(copied.split([span.stop - span.start for _, span in run], dim=1))
+            owners.extend((program_id, span.first_position) for program_id, span in run)
         if owners:
             store.save_rows(self.location, 1, owners, pieces)
 
