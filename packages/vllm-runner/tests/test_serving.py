@@ -43,6 +43,23 @@ def test_a_chunk_that_ends_before_its_prompt_waits_at_no_sampled_value() -> None
     assert sampled_rows(layout)["r0"].first_position == 3  # its last row this step
 
 
+def test_a_want_is_made_only_for_the_kind_of_rows_its_op_acts_at() -> None:
+    """The plan runs before every forward with programs, for every request: an op at token rows
+    gets no sampled-row wants (nor is the sampled rows' layout built), and the reverse."""
+    layout = layout_of([3, 1])
+    plan = plan_step(layout, scheduled(layout, [ops.Save("layers.0.layer_output")]),
+                     locations_of)
+    assert not plan.sampled.wants and len(plan.sampled.layout) == 0
+    both = [ops.Save("logits"), ops.Save("layers.0.layer_output")]
+    plan = plan_step(layout, scheduled(layout, both, prompt_length=1), locations_of)
+    (logits,) = plan.sampled.wants["logits"]
+    (layer,) = plan.tokens.wants["layers.0.layer_output"]
+    assert [type(want.op) for want in (*logits, *layer)] == [ops.Save] * 4
+    assert {want.op.location for want in logits} == {"logits"}
+    assert {want.op.location for want in layer} == {"layers.0.layer_output"}
+    assert [want.span for want in logits] == [plan.sampled.layout[key] for key in layout.keys]
+
+
 def test_skip_waits_at_the_layer_input_and_output() -> None:
     layout = layout_of([2])
     plan = plan_step(layout, scheduled(layout, [ops.Skip(1)]), locations_of)

@@ -11,6 +11,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from vllm_runner.ops import Call, Op, op_from_data
@@ -86,7 +87,7 @@ class Program:
     digest: str
     ops: tuple[Op, ...]
 
-    @property
+    @cached_property  # asked at every step of every running request
     def edits(self) -> bool:
         """Whether it may change the engine's values (any op but a save or a lens): its
         requests' KV blocks are zeroed before they are handed to anyone else (`kv_blocks`)."""

@@ -222,7 +222,7 @@ class Runtime:
         """`needs_module_tree` for programs as they travel (before the step decodes them); one
         that does not decode or resolve runs the module tree, where its failure is reported."""
         try:
-            return self.needs_module_tree([self.programs.get(one) for one in data])
+            return self.needs_module_tree([self.programs.get(one) for one in _one_per_digest(data)])
         except Exception:
             return True
 
@@ -251,8 +251,8 @@ class Runtime:
             self._edited_in_step = True
         if self.store.failed(program_id):
             return None
-        if program_id in self._checked:
-            return self.programs.get(data)
+        if known is not None and program_id in self._checked:
+            return known  # every later step of a running request: no more lookups
         try:
             program = self.programs.get(data)
         except Exception as error:
@@ -302,7 +302,7 @@ class Runtime:
     def needs_tap_python_for(self, data: Sequence[ProgramData]) -> bool:
         """`needs_tap_python` for programs as they travel; one that does not decode needs it."""
         try:
-            return self.needs_tap_python([self.programs.get(one) for one in data])
+            return self.needs_tap_python([self.programs.get(one) for one in _one_per_digest(data)])
         except Exception:
             return True
 
@@ -351,10 +351,8 @@ class Runtime:
         served = False
         for location, rows in self.in_graph.items():
             groups = tokens.wants.get(location)
-            if not groups or not all(
-                    (program := self.programs.known(want.program_id)) is not None
-                    and self._in_graph(program, location)
-                    for members in groups for want in members):
+            if not groups or not all(self._group_in_graph(members, location)
+                                     for members in groups):
                 continue
             try:
                 if steered := steered_rows(self.values[location], groups, self.store.failed,
@@ -368,6 +366,14 @@ class Runtime:
             del tokens.wants[location]
             served = True
         return served
+
+    def _group_in_graph(self, members: OpGroup, location: str) -> bool:
+        """Whether the graph serves a group's op at `location`: its members run one program
+        (one digest, `step_plan`), so the first answers for all."""
+        if not members:
+            return True
+        program = self.programs.known(members[0].program_id)
+        return program is not None and self._in_graph(program, location)
 
     def _take_saves_in_graph(self) -> None:
         """After the forward: the saving requests' rows from the rings (on rank 0, which keeps
@@ -462,6 +468,12 @@ class Runtime:
         self.programs.forget(program_id)
         self._checked.discard(program_id)
         self.services.keys.forget(program_id)
+
+
+def _one_per_digest(data: Sequence[ProgramData]) -> list[ProgramData]:
+    """One of each program among `data`: requests running one program (one digest) act at the
+    same locations, so a step's checks need only one of them (a step holds many)."""
+    return list({one["digest"]: one for one in data}.values())
 
 
 def tap_locations(patterns: Sequence[str], resolve_pattern: Callable[[str], list[str]],

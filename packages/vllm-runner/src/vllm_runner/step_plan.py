@@ -66,40 +66,56 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
               locations_of: Callable[[Op], list[str]]) -> StepPlan:
     """Group the requests' ops by location for this step (`locations_of` resolves an op's
     patterns). A chunk that ends before its prompt does is not sampled: its logits are
-    dropped, so it waits at no sampled-row value."""
+    dropped, so it waits at no sampled-row value.
+
+    It runs before every forward with programs, for every request: a want is made only for the
+    kind of visit (token rows, sampled rows) its op acts at, and the sampled rows' layout only
+    when some op reads them."""
     if not requests:
         return NOTHING_PLANNED
-    sampled = sampled_rows(layout)
     tokens: dict[str, list[OpGroup]] = defaultdict(list)
     rows: dict[str, list[OpGroup]] = defaultdict(list)
-    token_groups: dict[tuple[str, int], OpGroup] = {}
-    sampled_groups: dict[tuple[str, int], OpGroup] = {}
+    # (digest, op index) -> the op's groups this step: token rows, sampled rows (None: no
+    # location of that kind)
+    groups: dict[tuple[str, int], tuple[OpGroup | None, OpGroup | None]] = {}
+    sampled: StepLayout | None = None
     for request in requests:
         program, request_id = request.program, request.request_id
         span = layout[request_id]
         # Every pattern gets the request's earlier keys (`key_history`), on any step.
         step = Step(span.first_position, len(span), request.prompt_length, earlier_keys=True)
-        last = sampled[request_id]
-        is_sampled = last.first_position >= request.prompt_length - 1
-        last_step = Step(last.first_position, 1, request.prompt_length)
+        last_position = span.first_position + len(span) - 1
+        is_sampled = last_position >= request.prompt_length - 1
         for index, op in enumerate(program.ops):
-            group = (program.digest, index)
-            _join(token_groups, tokens, group, locations_of,
-                  Want(request_id, program.program_id, span, step, op), sampled=False)
-            if is_sampled:
-                _join(sampled_groups, rows, group, locations_of,
-                      Want(request_id, program.program_id, last, last_step, op), sampled=True)
-    return StepPlan(Visits(layout, dict(tokens)), Visits(sampled, dict(rows)))
+            key = (program.digest, index)
+            found = groups.get(key)
+            if found is None:
+                found = groups[key] = _groups_of(op, locations_of, tokens, rows)
+            token_group, sampled_group = found
+            if token_group is not None:
+                token_group.append(Want(request_id, program.program_id, span, step, op))
+            if sampled_group is not None and is_sampled:
+                if sampled is None:
+                    sampled = sampled_rows(layout)
+                sampled_group.append(Want(
+                    request_id, program.program_id, sampled[request_id],
+                    Step(last_position, 1, request.prompt_length), op))
+    # No request sampled where an op reads sampled rows: nothing is served there.
+    return StepPlan(Visits(layout, dict(tokens)),
+                    Visits(sampled if sampled is not None else NO_ROWS, dict(rows)))
 
 
-def _join(groups: dict[tuple[str, int], OpGroup], wants: dict[str, list[OpGroup]],
-          group: tuple[str, int], locations_of: Callable[[Op], list[str]], want: Want,
-          sampled: bool) -> None:
-    """Add `want` to its group, registering a new group at the op's locations of this kind."""
-    members = groups.get(group)
-    if members is None:
-        members = groups[group] = OpGroup()
-        for location in locations_of(want.op):
-            if (location in PER_SAMPLED_ROW) == sampled:
-                wants[location].append(members)
-    members.append(want)
+def _groups_of(op: Op, locations_of: Callable[[Op], list[str]],
+               tokens: dict[str, list[OpGroup]], rows: dict[str, list[OpGroup]]
+               ) -> tuple[OpGroup | None, OpGroup | None]:
+    """A new op's groups this step, registered at its locations of each kind: token rows and
+    sampled rows (`None` for a kind it has no location of)."""
+    token_group = sampled_group = None
+    for location in locations_of(op):
+        if location in PER_SAMPLED_ROW:
+            sampled_group = sampled_group if sampled_group is not None else OpGroup()
+            rows[location].append(sampled_group)
+        else:
+            token_group = token_group if token_group is not None else OpGroup()
+            tokens[location].append(token_group)
+    return token_group, sampled_group

@@ -51,6 +51,8 @@ def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept],
                    batch: Any) -> tuple[StepLayout, list[ScheduledRequest]]:
     """This step's layout from V2's `InputBatch` (plain host attributes only) and its requests
     that run a program, in the step's order; no layout is built for a step without programs."""
+    if not programs:  # no running request has a program: nothing to look up per request
+        return NO_ROWS, []
     count = int(batch.num_reqs)
     request_ids = list(batch.req_ids[:count])
     scheduled = []
@@ -219,8 +221,10 @@ class RunnerV2Mixin:
         def interp_dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
                             *args: Any, **kwargs: Any) -> Any:
             chosen = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+            kept_programs = self.interp_programs
             programs = [kept[0] for request_id in scheduled
-                        if (kept := self.interp_programs.get(request_id)) is not None]
+                        if (kept := kept_programs.get(request_id)) is not None
+                        ] if kept_programs else []
             chosen, self.interp_module_tree = step_graph(
                 self.interp, programs, chosen, num_tokens, num_reqs,
                 lambda: dispatch(num_reqs, num_tokens, None, *args,
