@@ -58,6 +58,9 @@ def test_a_want_is_made_only_for_the_kind_of_rows_its_op_acts_at() -> None:
     assert {want.op.location for want in logits} == {"logits"}
     assert {want.op.location for want in layer} == {"layers.0.layer_output"}
     assert [want.span for want in logits] == [plan.sampled.layout[key] for key in layout.keys]
+    mid_prompt = plan_step(layout, scheduled(layout, both, prompt_length=100), locations_of)
+    assert not mid_prompt.sampled.wants  # no request sampled: the sampler gets no hook
+    assert mid_prompt.locations() == ["layers.0.layer_output"]
 
 
 def test_skip_waits_at_the_layer_input_and_output() -> None:

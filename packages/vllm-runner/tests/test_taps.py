@@ -5,6 +5,7 @@ edits reach the rest of the compiled forward. The oracle is the same module run 
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from vllm_envoys import HookArgs
+from vllm_runner.errors import LocationError, TapsRefused
 from vllm_runner.hooks import Hooks
 from vllm_runner.llm import tap_patterns
 from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
@@ -197,6 +199,7 @@ class FusedMoERunner(nn.Module):
         super().__init__()
         self.gate = nn.Linear(4, 2)
         self.routed = nn.Linear(4, 4)
+        self.routed_output_transform = nn.Sequential(nn.Linear(4, 4))  # called outside the op
         self._forward_entry = entry
 
 
@@ -208,7 +211,8 @@ def test_modules_called_inside_an_opaque_custom_op_are_found_and_their_taps_refu
     traced = FusedMoERunner(lambda *args: None)
     model = nn.ModuleDict({"opaque": opaque, "traced": traced})
     found = called_inside_opaque_ops(model)
-    assert set(found) == {id(opaque.gate), id(opaque.routed)}  # not the runner: it enters it
+    # Not the runner (it enters the op), nor what it calls before or after the op.
+    assert set(found) == {id(opaque.gate), id(opaque.routed)}
     assert found[id(opaque.gate)] == "vllm_interp.tap"
     values = {"opaque.router_logits": opaque.gate, "traced.router_logits": traced.gate}
 
@@ -221,3 +225,10 @@ def test_modules_called_inside_an_opaque_custom_op_are_found_and_their_taps_refu
     assert locations == ["traced.router_logits"]
     assert "opaque.router_logits is computed inside vLLM's opaque custom op vllm_interp.tap" \
         in refused["*.router_logits"]
+
+
+def test_refused_taps_cross_processes_with_their_reasons() -> None:
+    refused = TapsRefused("tap 'x': why", {"x": "why"})
+    again = pickle.loads(pickle.dumps(refused))
+    assert isinstance(again, LocationError) and again.refused == {"x": "why"}
+    assert str(again) == "tap 'x': why"

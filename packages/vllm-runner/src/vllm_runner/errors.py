@@ -19,6 +19,10 @@ class TapsRefused(LocationError):
         super().__init__(message)
         self.refused = refused
 
+    def __reduce__(self) -> tuple[type[TapsRefused], tuple[str, dict[str, str]]]:
+        """Both arguments again when unpickled (another process may receive it)."""
+        return type(self), (str(self), self.refused)
+
 
 class UnsupportedEngine(InterpError, RuntimeError):
     """The engine runs in a way the runner has not been checked against (e.g. the V2 runner)."""

@@ -6,7 +6,8 @@ custom ops is never traced: its hooks run while a CUDA graph is captured, are re
 kernels, and never run again when the graph is replayed. The runtime notices (the program fails
 with `runtime.never_ran`), but a tap there can never be served, so it is refused at start-up.
 
-vLLM's fused mixture-of-experts runner is such a caller on a GPU: its forward enters
+Only a compiled engine is concerned (an eager one runs every module's Python at every
+forward). vLLM's fused mixture-of-experts runner is such a caller on a GPU: its forward enters
 `torch.ops.vllm.moe_forward` (or `moe_forward_shared`), inside which it applies the router gate
 it holds (Qwen3-MoE, DeepSeek-V2 in vLLM 0.33: a tap at their `router_logits` never ran there,
 H200, 2026-12-03). On the CPU the same runner calls the op's Python directly, which Dynamo
@@ -22,6 +23,8 @@ from torch import nn
 #: The attributes of vLLM's MoE runner that hold what it calls inside its op, besides its own
 #: submodules (in case one is held without being registered as one).
 HELD_INSIDE = ("gate", "shared_expert_gate", "_shared_experts", "shared_experts")
+#: Its submodules it calls in its own forward, outside the op (vLLM 0.32/0.33's latent MoE).
+CALLED_OUTSIDE = ("routed_input_transform", "routed_output_transform")
 
 
 def called_inside_opaque_ops(model: nn.Module) -> dict[int, str]:
@@ -33,11 +36,16 @@ def called_inside_opaque_ops(model: nn.Module) -> dict[int, str]:
         if not isinstance(entry, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
             continue
         name = str(entry)
-        held = [getattr(caller, attribute, None) for attribute in HELD_INSIDE]
-        for inner in [*caller.modules(), *held]:
-            if isinstance(inner, nn.Module) and inner is not caller:
-                for module in inner.modules():
-                    found.setdefault(id(module), name)
+        outside = {id(module) for attribute in CALLED_OUTSIDE
+                   if isinstance(held := getattr(caller, attribute, None), nn.Module)
+                   for module in held.modules()}
+        inner = [*caller.children(), *(getattr(caller, attribute, None)
+                                       for attribute in HELD_INSIDE)]
+        for child in inner:
+            if isinstance(child, nn.Module) and id(child) not in outside:
+                for module in child.modules():
+                    if id(module) not in outside:
+                        found.setdefault(id(module), name)
     return found
 
 

@@ -140,7 +140,8 @@ class Runtime:
         `LLM` reports them. At the taps `in_graph` names (also among `patterns`), `Add`s and
         `Save`s run inside the graph (`in_graph`), with buffers for `rows` rows (the most one
         forward runs) and `slots` steered requests (the most one step holds)."""
-        opaque = called_inside_opaque_ops(self._model)
+        # Only compiled forwards skip what an opaque op calls (an eager one runs it all).
+        opaque = called_inside_opaque_ops(self._model) if self.compiled else {}
 
         def untappable(location: str) -> str | None:
             op_name = opaque.get(id(self.values[location].module))

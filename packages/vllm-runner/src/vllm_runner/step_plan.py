@@ -75,9 +75,10 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
         return NOTHING_PLANNED
     tokens: dict[str, list[OpGroup]] = defaultdict(list)
     rows: dict[str, list[OpGroup]] = defaultdict(list)
-    # (digest, op index) -> the op's groups this step: token rows, sampled rows (None: no
-    # location of that kind)
-    groups: dict[tuple[str, int], tuple[OpGroup | None, OpGroup | None]] = {}
+    # (digest, op index) -> the op's token-row group (None: it acts at no token row) and its
+    # sampled-row locations; its sampled-row group is made at its first sampled request.
+    groups: dict[tuple[str, int], tuple[OpGroup | None, list[str]]] = {}
+    sampled_groups: dict[tuple[str, int], OpGroup] = {}
     sampled: StepLayout | None = None
     for request in requests:
         program, request_id = request.program, request.request_id
@@ -90,32 +91,36 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
             key = (program.digest, index)
             found = groups.get(key)
             if found is None:
-                found = groups[key] = _groups_of(op, locations_of, tokens, rows)
-            token_group, sampled_group = found
+                found = groups[key] = _token_group(op, locations_of, tokens)
+            token_group, sampled_locations = found
             if token_group is not None:
                 token_group.append(Want(request_id, program.program_id, span, step, op))
-            if sampled_group is not None and is_sampled:
+            if sampled_locations and is_sampled:
                 if sampled is None:
                     sampled = sampled_rows(layout)
+                sampled_group = sampled_groups.get(key)
+                if sampled_group is None:
+                    sampled_group = sampled_groups[key] = OpGroup()
+                    for location in sampled_locations:
+                        rows[location].append(sampled_group)
                 sampled_group.append(Want(
                     request_id, program.program_id, sampled[request_id],
                     Step(last_position, 1, request.prompt_length), op))
-    # No request sampled where an op reads sampled rows: nothing is served there.
+    # No request sampled where an op reads sampled rows: nothing waits there.
     return StepPlan(Visits(layout, dict(tokens)),
                     Visits(sampled if sampled is not None else NO_ROWS, dict(rows)))
 
 
-def _groups_of(op: Op, locations_of: Callable[[Op], list[str]],
-               tokens: dict[str, list[OpGroup]], rows: dict[str, list[OpGroup]]
-               ) -> tuple[OpGroup | None, OpGroup | None]:
-    """A new op's groups this step, registered at its locations of each kind: token rows and
-    sampled rows (`None` for a kind it has no location of)."""
-    token_group = sampled_group = None
-    for location in locations_of(op):
-        if location in PER_SAMPLED_ROW:
-            sampled_group = sampled_group if sampled_group is not None else OpGroup()
-            rows[location].append(sampled_group)
-        else:
-            token_group = token_group if token_group is not None else OpGroup()
-            tokens[location].append(token_group)
-    return token_group, sampled_group
+def _token_group(op: Op, locations_of: Callable[[Op], list[str]],
+                 tokens: dict[str, list[OpGroup]]) -> tuple[OpGroup | None, list[str]]:
+    """A new op's token-row group this step, registered at its token-row locations (`None`
+    if it has none), and its sampled-row locations."""
+    locations = locations_of(op)
+    sampled = [location for location in locations if location in PER_SAMPLED_ROW]
+    if len(sampled) == len(locations):
+        return None, sampled
+    group = OpGroup()
+    for location in locations:
+        if location not in PER_SAMPLED_ROW:
+            tokens[location].append(group)
+    return group, sampled
