@@ -42,7 +42,7 @@ def called_inside_opaque_ops(model: nn.Module) -> dict[int, str]:
         inner = [*caller.children(), *(getattr(caller, attribute, None)
                                        for attribute in HELD_INSIDE)]
         for child in inner:
-            if isinstance(child, nn.Module) and id(child) not in outside:
+            if isinstance(child, nn.Module):
                 for module in child.modules():
                     if id(module) not in outside:
                         found.setdefault(id(module), name)

@@ -137,23 +137,20 @@ class SteerRows:
         """Write this step's vectors (only if they changed) and each row's slot (up to the last
         steered row: past it every row points at the zero slot already, `clear` after every step
         that steered)."""
-        slots: dict[int, int] = {}
-        for rows in steered:
-            slots.setdefault(id(rows.vector), len(slots) + 1)
-        if len(slots) > self.table.shape[0] - 1:
-            raise ValueError(f"{self.location}: {len(slots)} steering vectors in one step, more "
-                             f"than the {self.table.shape[0] - 1} slots")
         vectors = tuple({id(rows.vector): rows.vector for rows in steered}.values())
-        if len(vectors) != len(self._in_table) or any(
-                new is not old for new, old in zip(vectors, self._in_table, strict=False)):
+        if len(vectors) > self.table.shape[0] - 1:
+            raise ValueError(f"{self.location}: {len(vectors)} steering vectors in one step, "
+                             f"more than the {self.table.shape[0] - 1} slots")
+        slots = {id(vector): slot for slot, vector in enumerate(vectors, start=1)}
+        if vectors and (len(vectors) != len(self._in_table) or any(
+                new is not old for new, old in zip(vectors, self._in_table, strict=False))):
             table = torch.stack([vector.expand(self.width) for vector in vectors]).to(
-                self.table.dtype) if vectors else None
+                self.table.dtype)
             # A vector that overflows the model's dtype (float16) would put inf on its rows.
-            if table is not None and not bool(torch.isfinite(table).all()):
+            if not bool(torch.isfinite(table).all()):
                 raise ValueError(f"{self.location}: a steering vector is not finite in "
                                  f"{self.table.dtype}")
-            if table is not None:
-                self._copies.copy(self.table[1:1 + len(vectors)], table)
+            self._copies.copy(self.table[1:1 + len(vectors)], table)
             self._in_table = vectors
         end = max((rows.stop for rows in steered), default=0)
         index = np.zeros(end, dtype=np.int64)
