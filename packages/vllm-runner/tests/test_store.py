@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm_runner import host_copies
 from vllm_runner import store as store_module
+from vllm_runner.save_arena import SaveArena
 from vllm_runner.settings import device_saves_limit
 from vllm_runner.store import SaveStore
 
@@ -229,3 +230,61 @@ def test_spilling_at_any_point_never_changes_what_is_collected(history) -> None:
     if "a" in expected:
         assert type(found["a"]) is torch.Tensor
         assert torch.equal(found["a"], expected["a"])
+
+
+class _DeviceArena(SaveArena):
+    """An arena whose blocks say they are on a GPU (`_OnADevice`), with blocks of 4 rows of
+    one float32, so histories cross several of them."""
+
+    def __init__(self) -> None:
+        super().__init__(1, 1, torch.device("cpu"), torch.float32, block_bytes=16)
+        self.device = torch.device("cuda", 0)  # what the store sees; indices stay on the host
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        return on_a_device(torch.empty(rows, self.width))
+
+
+@settings(deadline=None, max_examples=200)
+@given(histories(), st.lists(st.booleans(), min_size=12, max_size=12))
+def test_rows_kept_in_an_arena_are_collected_as_if_saved_whole(history, through_arena) -> None:
+    """A graph tap's saves wait in an arena (`save_arena`), mixed with saves the taps' Python
+    made, spilled at any point: collected, they equal the same rows saved as tensors."""
+    chunks, computed = history
+    expected_store, store, arena = SaveStore(), SaveStore(), _DeviceArena()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_copies, "STAGING_BYTES", 64)
+        patch.setattr(torch, "cat", _cat_on_one_device)
+        for step, (first, size, spill_after) in enumerate(chunks):
+            rows = torch.arange(size, dtype=torch.float32).reshape(1, size, 1) + 100 * step
+            expected_store.save("k", "a", first, rows, 1)
+            if through_arena[step]:
+                block, row = arena.append(rows[0])
+                store.save_pending("a", arena, [("k", first, block, row, size)])
+            else:
+                store.save("k", "a", first, on_a_device(rows), 1)
+            assert store.device_bytes > 0
+            if spill_after:
+                store.spill(0)
+                assert store.device_bytes == 0
+        expected = expected_store.collect([("k", computed, {"a": None})])["k"]
+        found = store.collect([("k", computed, {"a": None})])["k"]
+    assert type(found["a"]) is torch.Tensor  # on the host
+    assert torch.equal(found["a"], expected["a"])
+    assert arena.blocks <= 1  # only the block rows still go into is kept
+
+
+def test_an_arenas_blocks_are_freed_when_their_requests_are_collected_or_dropped() -> None:
+    store, arena = SaveStore(), SaveArena(2, 1, torch.device("cpu"), torch.float32, 48)
+    for step in range(12):  # three requests, one row each a step; blocks of 6 rows: 2 steps
+        rows = torch.full((3, 2), float(step))
+        block, row = arena.append(rows)
+        store.save_pending("a", arena, [(key, step, block, row + index, 1)
+                                        for index, key in enumerate("xyz")])
+    assert arena.blocks == 6
+    assert store.held() == {"requests": 3, "bytes": 3 * 12 * 2 * 4}
+    store.drop(["x"])
+    found = store.collect([("y", 12, {"a": None})])["y"]["a"]
+    assert torch.equal(found, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
+    assert arena.blocks == 6  # z's rows are in every block
+    store.drop(["z"])
+    assert arena.blocks == 1 and len(store) == 0

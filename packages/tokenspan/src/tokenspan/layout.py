@@ -24,11 +24,21 @@ def _ints(values: Any, what: str) -> list[int]:
     Floats are refused rather than truncated: a fractional row count is a caller's bug.
     """
     if hasattr(values, "tolist"):  # tensors and numpy arrays, without importing numpy
+        integral = _integral(getattr(values, "dtype", None))
         values = values.tolist()
+        if integral:  # plain ints already: no check per value (engines call this every step)
+            return values  # type: ignore[no-any-return]
     try:
         return [operator.index(v) for v in values]
     except TypeError as error:
         raise LayoutError(f"{what} must be a sequence of integers, got {values!r}") from error
+
+
+def _integral(dtype: Any) -> bool:
+    """Whether a numpy or torch dtype holds integers (not booleans): its `tolist` gives ints."""
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return getattr(dtype, "kind", None) in ("i", "u")
 
 
 class StepLayout:

@@ -19,6 +19,7 @@ from tpfragments import Fragments
 from vllm_envoys import Value, standardize
 
 from vllm_runner.errors import LocationError
+from vllm_runner.graph_steps import GraphSteps, GraphTapStep
 from vllm_runner.hooks import SAMPLER_HOOK, Hooks
 from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.lens import ModelLens
@@ -116,9 +117,11 @@ class Runtime:
         self._edited_in_step = False  # a scheduled request's program edits (`program`)
         self._served_in_graph = False  # this step's programs were served from buffers
         self._saves_in_graph: list[tuple[str, list[OpGroup]]] = []  # taken after the forward
+        self._graph_step: list[GraphTapStep] = []  # a step planned by `graph_steps`
+        self._graph_steps = GraphSteps(self.in_graph, self.locations_of, self.values)
         self._in_graph_known: dict[tuple[str, str], bool] = {}  # (digest, location)
-        # Requests whose programs were checked against their prompt (at their first step).
-        self._checked: set[str] = set()
+        # Programs checked against their prompt (at their first step), by program id.
+        self._checked: dict[str, Program] = {}
 
     def resolve(self, pattern: str) -> list[str]:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
@@ -163,6 +166,7 @@ class Runtime:
         if graph_locations and rows and slots:
             self.in_graph = self._buffers.buffers(
                 [self.values[location] for location in graph_locations], rows, slots)
+            self._graph_steps = GraphSteps(self.in_graph, self.locations_of, self.values)
             if self.in_graph:
                 logger.info("vllm-runner: %d taps serve Add and Save inside the graph, with "
                             "%.1f MiB of buffers", len(self.in_graph), len(self.in_graph) *
@@ -243,7 +247,8 @@ class Runtime:
         prompt; `None` once it has failed (a failed program stops where it failed: nothing more
         is read or written for it)."""
         program_id = data["program_id"]
-        known = self.programs.known(program_id)
+        checked = self._checked.get(program_id)  # every later step: no more lookups
+        known = checked if checked is not None else self.programs.known(program_id)
         if known is not None and known.edits:
             # Running still, even if its program failed: its edits may have left non-finite
             # values behind (see `keep_logits_finite`).
@@ -252,15 +257,15 @@ class Runtime:
             self._edited_in_step = True
         if self.store.failed(program_id):
             return None
-        if known is not None and program_id in self._checked:
-            return known  # every later step of a running request: no more lookups
+        if checked is not None:
+            return checked
         try:
             program = self.programs.get(data)
         except Exception as error:
             self.store.fail(program_id, f"the program does not decode: "
                                         f"{type(error).__name__}: {error}")
             return None
-        self._checked.add(program_id)
+        self._checked[program_id] = program
         if (problem := program.before_the_prompt(prompt_length)) is not None:
             self.store.fail(program_id, problem)
             return None
@@ -320,13 +325,19 @@ class Runtime:
     def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> None:
         """Plan the step and hook what its programs want (nothing, for a step without any)."""
         self.store.spill(self.device_saves_limit)  # the last step's saves are all made
-        plan = plan_step(layout, requests, self.locations_of)
-        self._tokens, self._sampled = plan.tokens, plan.sampled
-        self._served_in_graph = bool(self.in_graph) and self._serve_in_graph(plan.tokens)
+        if self.in_graph and requests and self._plan_in_graph(layout, requests):
+            self._tokens = self._sampled = NO_VISITS
+            self._served_in_graph = True
+            locations: list[str] = []
+        else:
+            plan = plan_step(layout, requests, self.locations_of)
+            self._tokens, self._sampled = plan.tokens, plan.sampled
+            self._served_in_graph = bool(self.in_graph) and self._serve_in_graph(plan.tokens)
+            locations = plan.locations()
         # A step with edits gets the sampler's hook whatever its programs read: see
         # `keep_logits_finite`.
         self._guard_logits, self._edited_in_step = self._edited_in_step, False
-        self.hooks.sync([*plan.locations(), *((SAMPLER_HOOK,) if self._guard_logits else ())])
+        self.hooks.sync([*locations, *((SAMPLER_HOOK,) if self._guard_logits else ())])
         if self.taps:
             serve_taps(self)
 
@@ -344,6 +355,24 @@ class Runtime:
         self._visited.clear()
         self._tokens = NO_VISITS
         self.services.skipped.clear()
+
+    def _plan_in_graph(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> bool:
+        """Serve the step from the graph taps' buffers alone, planned per program
+        (`graph_steps`), if every program of it runs inside the graph; whether it was."""
+        steps = self._graph_steps.plan(layout, requests)
+        if steps is None:
+            return False
+        try:
+            for step in steps:
+                if step.index is not None:
+                    step.rows.steer.write(step.vectors, step.index)
+        except Exception:  # the general plan serves it then, failing only whom it must
+            logger.exception("vllm-runner: a step could not be served in the graph")
+            for step in steps:
+                step.rows.steer.clear()
+            return False
+        self._graph_step = steps
+        return True
 
     def _serve_in_graph(self, tokens: Visits) -> bool:
         """Fill the steering buffers of each tap whose waiting programs can all be served in
@@ -385,6 +414,11 @@ class Runtime:
                 rows.saves.take(groups, self.store.failed, self.values[location], self.store)
             rows.steer.clear()
         self._saves_in_graph.clear()
+        for step in self._graph_step:
+            if self.services.keeps_saves:
+                step.rows.saves.keep(step.saving, self.store)
+            step.rows.steer.clear()
+        self._graph_step = []
 
     def _visit(self, location: str, value: Value, raw: Any) -> None:
         """Serve the step's requests at one hook visit; a sharded value is made whole first."""
@@ -467,7 +501,7 @@ class Runtime:
 
     def _forget(self, program_id: str) -> None:
         self.programs.forget(program_id)
-        self._checked.discard(program_id)
+        self._checked.pop(program_id, None)
         self.services.keys.forget(program_id)
 
 

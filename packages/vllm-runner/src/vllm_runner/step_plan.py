@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenspan import StepLayout
 from vllm_envoys import Step
@@ -29,9 +30,9 @@ NO_ROWS = StepLayout.from_counts([], [], [])
 NO_VISITS = Visits(NO_ROWS)
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """A request of this step that runs a program, as the engine adapter hands it over."""
+class ScheduledRequest(NamedTuple):
+    """A request of this step that runs a program, as the engine adapter hands it over (a
+    tuple: the adapters make one per request per step)."""
 
     request_id: str
     program: Program

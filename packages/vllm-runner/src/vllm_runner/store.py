@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_runner import host_copies
+from vllm_runner.save_arena import PendingRows, SaveArena
 from vllm_runner.settings import FALLBACK_DEVICE_SAVES_MIB
 
 # Values without a token axis (the attention pattern) are stored whole under this position.
@@ -27,10 +28,11 @@ Keep = Callable[[int], bool] | None
 
 class Chunk(list[Any]):
     """`[first, rows]`: the rows one step saved for one value, from absolute position `first`,
-    made as `Chunk((first, rows))`. A list, so that `host_copies` swaps its rows for host ones
-    in place (`chunk[1]`); built by list's own constructor, with no Python `__init__`, because
-    a step saving every layer for 64 requests makes thousands (a Python constructor was a
-    quarter of a tap's cost in `save_rows`, CPU profile 2026-12-02)."""
+    made as `Chunk((first, rows))`; `rows` may still wait in a `SaveArena` (`PendingRows`)
+    until the store takes them out (`_resolved`). A list, so that `host_copies` swaps its rows
+    for host ones in place (`chunk[1]`); built by list's own constructor, with no Python
+    `__init__`, because a step saving every layer for 64 requests makes thousands (a Python
+    constructor was a quarter of a tap's cost in `save_rows`, CPU profile 2026-12-02)."""
 
     __slots__ = ()
 
@@ -87,9 +89,8 @@ class SaveStore:
         the bytes of their saves (on a device or the host). A server reports it so that an
         operator — or a test — sees memory come back after requests end or are abandoned."""
         requests = set(self._chunks) | set(self._errors)
-        size = sum(chunk.rows.numel() * chunk.rows.element_size()
-                   for locations in self._chunks.values() for chunks in locations.values()
-                   for chunk in chunks)
+        size = sum(_bytes(chunk[1]) for locations in self._chunks.values()
+                   for chunks in locations.values() for chunk in chunks)
         return {"requests": len(requests), "bytes": size}
 
     def fail(self, program_id: str, message: str) -> None:
@@ -146,6 +147,28 @@ class SaveStore:
             if size:
                 device_bytes[program_id] += value.numel() * size
 
+    def save_pending(self, location: str, arena: SaveArena,
+                     saved: list[tuple[str, int, int, int, int]]) -> None:
+        """`save_rows` for rows a graph tap put in `arena` (`tap_saves`): each of `saved` is
+        `(program_id, first position, block, row, count)`; a request's rows wait there, its
+        steps' pieces in one `PendingRows` while their positions follow on, until collected,
+        dropped or moved to the host. Token axis 1."""
+        chunks, axes, device_bytes = self._chunks, self._axes, self._device_bytes
+        size = arena.row_bytes if arena.device.type != "cpu" else 0
+        if size:
+            self._device = arena.device
+        for program_id, first_position, block, row, count in saved:
+            kept = chunks[program_id][location]
+            pending = kept[-1][1] if kept else None
+            if (type(pending) is not PendingRows or pending.arena is not arena
+                    or pending.end != first_position):
+                axes[program_id, location] = 1
+                pending = PendingRows(arena, first_position)
+                kept.append(Chunk((first_position, pending)))
+            pending.add(block, row, count)
+            if size:
+                device_bytes[program_id] += count * size
+
     def spill(self, limit: int | None) -> None:
         """Move every save held on a device to the host if together they exceed `limit` bytes
         (`settings.device_saves_limit`): a request's adjacent chunks are joined first, so this
@@ -168,6 +191,7 @@ class SaveStore:
     def _to_host(self, program_id: str, mover: host_copies.ToHost) -> None:
         """Queue `program_id`'s device chunks on `mover`, joined where positions follow on."""
         for location, chunks in self._chunks.get(program_id, {}).items():
+            chunks[:] = _resolved(chunks)
             axis = self._axes.get((program_id, location))
             if axis is not None and (program_id, location) not in self._fills:
                 chunks[:] = _joined(chunks, axis)
@@ -221,6 +245,7 @@ class SaveStore:
         self._forget(program_id)
         result: dict[str, torch.Tensor] = {}
         for location, chunks in self._chunks.pop(program_id, {}).items():
+            chunks = _resolved(chunks)
             axis = self._axes.pop((program_id, location), None)
             fill = self._fills.pop((program_id, location), None)
             if axis is None:
@@ -239,7 +264,10 @@ class SaveStore:
         for program_id in program_ids:
             self._errors.pop(program_id, None)
             self._forget(program_id)
-            for location in self._chunks.pop(program_id, {}):
+            for location, chunks in self._chunks.pop(program_id, {}).items():
+                for _, rows in chunks:
+                    if isinstance(rows, PendingRows):
+                        rows.release()
                 self._axes.pop((program_id, location), None)
                 self._fills.pop((program_id, location), None)
 
@@ -252,6 +280,21 @@ def free_device_bytes(device: torch.device | None) -> int | None:
     if device is None or device.type != "cuda":
         return None
     return torch.cuda.mem_get_info(device)[0]
+
+
+def _bytes(rows: torch.Tensor | PendingRows) -> int:
+    """What a chunk's rows hold, in bytes, wherever they wait."""
+    if isinstance(rows, PendingRows):
+        return rows.count * rows.arena.row_bytes
+    return rows.numel() * rows.element_size()
+
+
+def _resolved(chunks: list[Chunk]) -> list[Chunk]:
+    """`chunks` with rows still in a `SaveArena` taken out of it (`PendingRows.gather`)."""
+    if not any(type(rows) is PendingRows for _, rows in chunks):
+        return chunks
+    return [Chunk((first, rows.gather())) if type(rows) is PendingRows else Chunk((first, rows))
+            for first, rows in chunks]
 
 
 def _joined(chunks: list[Chunk], axis: int) -> list[Chunk]:

@@ -5,23 +5,26 @@ A `Save` needs no Python in the forward either: the tap's hook copies the whole 
 of the step, into a ring buffer of the tapped module (`ring[:rows] = value`), traced into the
 graph like the rest of the model. The copy is private at once, so vLLM's later in-place kernels
 cannot overwrite it. After the forward, the runtime takes the saving requests' rows from the
-ring (`SaveRing.take`: one copy per run of adjacent requests) into the save store, as the tap's
-Python would have; the ring is rewritten by the next forward, and on a GPU that copy is ordered
-before it on the same stream.
+ring into the value's `SaveArena` (one copy per run of adjacent requests), where they wait for
+collection as `Pending` pieces of the save store; the ring is rewritten by the next forward,
+and on a GPU that copy is ordered before it on the same stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import nn
 from vllm_envoys import Value
 
 from vllm_runner.ops import Save
+from vllm_runner.save_arena import SaveArena
 from vllm_runner.serving import Want, passed_over
 from vllm_runner.store import SaveStore
+
+#: A saving request's rows of a step: (program id, first row, rows, first position).
+SavedRows = tuple[str, int, int, int]
 
 
 class SaveRing:
@@ -36,6 +39,7 @@ class SaveRing:
         value.module.register_buffer(self._name, torch.zeros(rows, width, device=device,
                                                              dtype=dtype), persistent=False)
         self.ring: torch.Tensor = getattr(value.module, self._name)
+        self.arena = SaveArena(width, rows, device, dtype)
 
     def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
         """Copy the value's `rows` (`[tokens, hidden]`) into the ring, traced into the compiled
@@ -46,28 +50,36 @@ class SaveRing:
              value: Value, store: SaveStore) -> None:
         """Keep each saving request's rows of the last forward (a request's `Save`s there
         share one copy), skipping programs that failed and steps the value is not served at."""
-        spans = {}
+        saving: dict[str, SavedRows] = {}
         for want in (want for members in groups for want in members):
             if isinstance(want.op, Save) and not passed_over(want, value, failed):
-                spans[want.program_id] = want.span
-        owners: list[tuple[str, int]] = []
-        pieces: list[torch.Tensor] = []
-        for run in _runs(sorted(spans.items(), key=lambda item: item[1].start)):
-            start, stop = run[0][1].start, run[-1][1].stop
-            # One copy per run; its requests' pieces as views, made in one call.
-            copied = self.ring[start:stop].clone().unsqueeze(0)
-            pieces.extend(copied.split([span.stop - span.start for _, span in run], dim=1))
-            owners.extend((program_id, span.first_position) for program_id, span in run)
-        if owners:
-            store.save_rows(self.location, 1, owners, pieces)
+                span = want.span
+                saving[want.program_id] = (want.program_id, span.start, span.stop - span.start,
+                                           span.first_position)
+        self.keep(list(saving.values()), store)
+
+    def keep(self, saving: list[SavedRows], store: SaveStore) -> None:
+        """Keep the rows `saving` names (one entry per request) of the last forward: into the
+        arena, one copy per run of adjacent requests, and into the store as pending rows."""
+        if not saving:
+            return
+        saving.sort(key=lambda saved: saved[1])
+        arena, ring = self.arena, self.ring
+        placed: list[tuple[str, int, int, int, int]] = []
+        for run in _runs(saving):
+            start = run[0][1]
+            block, row = arena.append(ring[start:run[-1][1] + run[-1][2]])
+            placed.extend((program_id, first_position, block, row + first - start, count)
+                          for program_id, first, count, first_position in run)
+        store.save_pending(self.location, arena, placed)
 
 
-def _runs(spans: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
-    """Spans (sorted by start) in runs of adjacent ones."""
-    runs: list[list[tuple[str, Any]]] = []
-    for item in spans:
-        if runs and runs[-1][-1][1].stop == item[1].start:
-            runs[-1].append(item)
+def _runs(saving: list[SavedRows]) -> list[list[SavedRows]]:
+    """Saved rows (sorted by first row) in runs of adjacent ones."""
+    runs: list[list[SavedRows]] = []
+    for saved in saving:
+        if runs and runs[-1][-1][1] + runs[-1][-1][2] == saved[1]:
+            runs[-1].append(saved)
         else:
-            runs.append([item])
+            runs.append([saved])
     return runs

@@ -134,14 +134,27 @@ class SteerRows:
         rows.add_(table.index_select(0, index[:rows.shape[0]]))
 
     def fill(self, steered: list[SteeredRows]) -> None:
-        """Write this step's vectors (only if they changed) and each row's slot (up to the last
-        steered row: past it every row points at the zero slot already, `clear` after every step
-        that steered)."""
+        """Write this step's vectors and each row's slot, request by request (`write`)."""
         vectors = tuple({id(rows.vector): rows.vector for rows in steered}.values())
+        slots = {id(vector): slot for slot, vector in enumerate(vectors, start=1)}
+        index = np.zeros(max((rows.stop for rows in steered), default=0), dtype=np.int64)
+        for rows in steered:
+            slot = slots[id(rows.vector)]
+            if rows.keep is None:
+                index[rows.start:rows.stop] = slot
+            else:
+                index[rows.start:rows.stop] = [
+                    slot if rows.keep(rows.first_position + offset) else 0
+                    for offset in range(rows.stop - rows.start)]
+        self.write(vectors, index)
+
+    def write(self, vectors: tuple[torch.Tensor, ...], index: np.ndarray) -> None:
+        """Put `vectors` in slots 1.. (only if they changed) and `index` (each row's slot, int64,
+        up to the last steered row: past it every row points at the zero slot already, `clear`
+        after every step that steered) in the buffers."""
         if len(vectors) > self.table.shape[0] - 1:
             raise ValueError(f"{self.location}: {len(vectors)} steering vectors in one step, "
                              f"more than the {self.table.shape[0] - 1} slots")
-        slots = {id(vector): slot for slot, vector in enumerate(vectors, start=1)}
         if vectors and (len(vectors) != len(self._in_table) or any(
                 new is not old for new, old in zip(vectors, self._in_table, strict=False))):
             table = torch.stack([vector.expand(self.width) for vector in vectors]).to(
@@ -152,18 +165,8 @@ class SteerRows:
                                  f"{self.table.dtype}")
             self._copies.copy(self.table[1:1 + len(vectors)], table)
             self._in_table = vectors
-        end = max((rows.stop for rows in steered), default=0)
-        index = np.zeros(end, dtype=np.int64)
-        for rows in steered:
-            slot = slots[id(rows.vector)]
-            if rows.keep is None:
-                index[rows.start:rows.stop] = slot
-            else:
-                index[rows.start:rows.stop] = [
-                    slot if rows.keep(rows.first_position + offset) else 0
-                    for offset in range(rows.stop - rows.start)]
         self.dirty = True  # from here on `clear` points the rows back at the zero slot
-        self._copies.copy(self.index[:end], torch.from_numpy(index))
+        self._copies.copy(self.index[:len(index)], torch.from_numpy(index))
 
     def clear(self) -> None:
         """No row steered (after a step that steered here)."""

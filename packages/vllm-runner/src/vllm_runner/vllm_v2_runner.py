@@ -56,14 +56,11 @@ def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept],
     count = int(batch.num_reqs)
     request_ids = list(batch.req_ids[:count])
     scheduled = []
+    program_of, kept_of = runtime.program, programs.get  # per request per step: kept lean
     for request_id in request_ids:
-        kept = programs.get(request_id)
-        if kept is None:
-            continue
-        data, prompt_length = kept
-        program = runtime.program(data, prompt_length)
-        if program is not None:
-            scheduled.append(ScheduledRequest(request_id, program, prompt_length))
+        kept = kept_of(request_id)
+        if kept is not None and (program := program_of(*kept)) is not None:
+            scheduled.append(ScheduledRequest(request_id, program, kept[1]))
     if not scheduled:
         return NO_ROWS, scheduled
     layout = StepLayout.from_offsets(request_ids, batch.query_start_loc_np[: count + 1],

@@ -1,0 +1,135 @@
+"""Steps whose programs all run inside the graph: planned per program, not per request.
+
+The general plan (`step_plan`) makes a `Want` per request per op, for the taps' Python to serve
+row by row. At ~7 µs a request a step that was most of what steering or saving at a graph tap
+cost (64 decodes: ~450 µs of host time on this project's CPU; a GPU decode step of the
+SmolLM2-135M shape takes ~3 ms on the H200). When every program of a step acts only at graph
+taps, with only work the graph does (`in_graph`) and no position filter on an `Add`, the step
+needs no wants: what each program does at each graph tap is worked out once (`GraphWork`), and
+per request the step needs only its steering slot and the rows it saves, as plain numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tokenspan import StepLayout
+from vllm_envoys import Value
+
+from vllm_runner.in_graph import InGraphRows, in_graph_ops
+from vllm_runner.ops import Add, Op, Save
+from vllm_runner.program import Program
+from vllm_runner.step_plan import ScheduledRequest
+from vllm_runner.tap_saves import SavedRows
+
+
+@dataclass(frozen=True)
+class GraphWork:
+    """One program's work at one graph tap: its `Add`s (summed into one vector for each of its
+    rows; none: no steering) and whether it saves there."""
+
+    adds: tuple[Add, ...]
+    saves: bool
+
+
+@dataclass(frozen=True)
+class GraphTapStep:
+    """One graph tap's work this step: the distinct vectors and each row's slot among them
+    (`None`: nobody steers), and the saving requests' rows."""
+
+    rows: InGraphRows
+    vectors: tuple[torch.Tensor, ...]
+    index: np.ndarray | None
+    saving: list[SavedRows]
+
+
+class GraphSteps:
+    """Plans the steps whose programs all run inside the graph (`plan`)."""
+
+    LIMIT = 1024  # programs whose work is kept before the cache starts again
+
+    def __init__(self, in_graph: Mapping[str, InGraphRows],
+                 locations_of: Callable[[Op], list[str]], values: Mapping[str, Value]) -> None:
+        self._in_graph = in_graph
+        self._locations_of = locations_of
+        self._values = values
+        self._work: dict[str, dict[str, GraphWork] | None] = {}  # by digest
+
+    def work(self, program: Program) -> dict[str, GraphWork] | None:
+        """What `program` does at each graph tap, or `None` if some of its work needs the
+        taps' Python or the plain module tree (cached by digest: one digest, one set of ops)."""
+        if program.digest in self._work:
+            return self._work[program.digest]
+        if len(self._work) >= self.LIMIT:
+            self._work.clear()
+        found = self._work[program.digest] = self._worked_out(program)
+        return found
+
+    def _worked_out(self, program: Program) -> dict[str, GraphWork] | None:
+        at: dict[str, list[Op]] = {}
+        for op in program.ops:
+            for location in self._locations_of(op):
+                if location not in self._in_graph:
+                    return None  # another tap, a sampled-row value, or no tap at all
+                at.setdefault(location, []).append(op)
+        work = {}
+        for location, ops in at.items():
+            # A value whose availability may depend on the step is checked request by request
+            # by the general plan's serving (`serving.passed_over`).
+            if self._values[location].eproperty.unavailable is not None:
+                return None
+            if not in_graph_ops(ops, self._in_graph[location].width):
+                return None
+            adds = tuple(op for op in ops if isinstance(op, Add))
+            if any(add.keeps(1) is not None for add in adds):
+                return None  # an `Add` at some positions only: the general plan's index
+            work[location] = GraphWork(adds, any(isinstance(op, Save) for op in ops))
+        return work
+
+    def plan(self, layout: StepLayout, requests: Sequence[ScheduledRequest]
+             ) -> list[GraphTapStep] | None:
+        """Each graph tap's work this step, if every request's program runs inside the graph
+        alone; else `None` (the general plan serves the step)."""
+        works: dict[str, dict[str, GraphWork]] = {}
+        for request in requests:
+            digest = request.program.digest
+            if digest not in works:
+                found = self.work(request.program)
+                if found is None:
+                    return None
+                works[digest] = found
+        index_of = layout.index_map
+        places = [(request.program.digest, request.program.program_id,
+                   index_of[request.request_id]) for request in requests]
+        starts, counts, firsts = layout.starts, layout.counts, layout.first_positions
+        steps = []
+        for location, rows in self._in_graph.items():
+            at = {digest: work[location] for digest, work in works.items() if location in work}
+            if not at:
+                continue
+            vectors, index = self._steering(rows, at, places, layout)
+            saves = {digest for digest, work in at.items() if work.saves}
+            saving = [(program_id, starts[row], counts[row], firsts[row])
+                      for digest, program_id, row in places if digest in saves]
+            steps.append(GraphTapStep(rows, vectors, index, saving))
+        return steps
+
+    @staticmethod
+    def _steering(rows: InGraphRows, at: dict[str, GraphWork],
+                  places: list[tuple[str, str, int]], layout: StepLayout,
+                  ) -> tuple[tuple[torch.Tensor, ...], np.ndarray | None]:
+        """The distinct vectors at one graph tap and every row's slot (0: not steered)."""
+        by_digest = {digest: rows.steer.vectors.vector(work.adds)
+                     for digest, work in at.items() if work.adds}
+        if not by_digest:
+            return (), None
+        vectors = tuple({id(vector): vector for vector in by_digest.values()}.values())
+        slot_of = {id(vector): slot for slot, vector in enumerate(vectors, start=1)}
+        digest_slot = {digest: slot_of[id(vector)] for digest, vector in by_digest.items()}
+        slots = np.zeros(len(layout), dtype=np.int64)
+        for digest, _, row in places:
+            slots[row] = digest_slot.get(digest, 0)
+        return vectors, np.repeat(slots, layout.counts)
