@@ -40,6 +40,7 @@ def arm_ops(arm: str, layers: int, hidden: int) -> list[Any]:
     middle = f"layers.{layers // 2}.layer_output"
     return {"save": [ops.Save(middle)],
             "steer": [ops.Add(middle, torch.ones(hidden), scale=0.5)],
+            "save every layer": [ops.Save("layers.*.layer_output")],
             "none": []}[arm]
 
 
@@ -48,6 +49,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--arms", default="none,save,steer,save every layer")
+    parser.add_argument("--shape", default="thin-30",
+                        help="a shape of random_models.SHAPES (default: 30 layers, as SmolLM2's)")
     arguments = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the runtime lives in this process
 
@@ -58,11 +62,11 @@ def main() -> None:
     from vllm_runner.runtime import finished_request
     from vllm_runner.vllm_v2_runner import scheduled_step
 
-    shape = SHAPES["tiny"]
+    shape = SHAPES[arguments.shape]
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
-    model = random_checkpoint("tiny", tempfile.mkdtemp(), torch.float32)
+    model = random_checkpoint(arguments.shape, tempfile.mkdtemp(), torch.float32)
     llm = LLM(model, skip_tokenizer_init=True, enforce_eager=False,
-              taps=["layers.*.layer_output"], graph_taps=[f"layers.{layers // 2}.layer_output"],
+              taps=["layers.*.layer_output"], graph_taps=["layers.*.layer_output"],
               kv_cache_memory_bytes=64 << 20, max_model_len=512, max_num_seqs=arguments.requests)
     runtime = llm.collective_rpc(lambda worker: worker.model_runner.interp)[0]
     count, prompt = arguments.requests, 32
@@ -94,7 +98,7 @@ def main() -> None:
         return per_step, per_request
 
     # (Saving at plain taps needs the forward: without one, their programs fail as never served.)
-    for arm in ("none", "save", "steer"):
+    for arm in arguments.arms.split(","):
         runs = [one_run(arm) for _ in range(arguments.repeats + 1)][1:]  # the first warms up
         # The fastest repeat is the least disturbed by this machine's other load (±50% here).
         step, collect = (min(run[index] for run in runs) * 1e6 for index in (0, 1))

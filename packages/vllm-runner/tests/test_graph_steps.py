@@ -15,31 +15,38 @@ from vllm_runner import ops
 from vllm_runner.graph_steps import GraphSteps
 from vllm_runner.in_graph import InGraphRows
 from vllm_runner.program import Program
+from vllm_runner.save_arena import SaveArena
 from vllm_runner.step_plan import ScheduledRequest, plan_step
 from vllm_runner.store import SaveStore, ToCollect
-from vllm_runner.tap_saves import SaveRing
+from vllm_runner.tap_saves import SaveRing, keep_rows
 from vllm_runner.tap_steering import SteerRows, steered_rows
 
 ROWS, SLOTS = 64, 8
-LOCATION = "layers.0.layer_output"
+FIRST, SECOND = "layers.0.layer_output", "layers.1.layer_output"
 ONE, OTHER = torch.arange(HIDDEN, dtype=torch.float32), -torch.ones(HIDDEN)
 #: Programs the graph serves alone, by digest (shared by the requests that run them).
 PROGRAMS = {
-    "steer": (ops.Add(LOCATION, ONE, scale=0.5),),
-    "steer twice and save": (ops.Add(LOCATION, ONE), ops.Add(LOCATION, OTHER), ops.Save(LOCATION)),
-    "save": (ops.Save(LOCATION),),
-    "steer other": (ops.Add(LOCATION, OTHER),),
+    "steer": (ops.Add(FIRST, ONE, scale=0.5),),
+    "steer twice and save": (ops.Add(FIRST, ONE), ops.Add(FIRST, OTHER), ops.Save(FIRST)),
+    "save both": (ops.Save(FIRST), ops.Save(SECOND)),
+    "save the second": (ops.Save(SECOND),),
+    "steer the second": (ops.Add(SECOND, OTHER),),
 }
 
 
-def in_graph_rows(value: Any) -> InGraphRows:
+def graph_taps() -> tuple[dict[str, InGraphRows], dict[str, Any]]:
+    """Two graph taps sharing one arena, as `InGraphBuffers` makes them, and their values."""
     cpu = torch.device("cpu")
-    return InGraphRows(value, SteerRows(value, HIDDEN, ROWS, SLOTS, "0", cpu, torch.float32),
-                       SaveRing(value, HIDDEN, ROWS, "0", cpu, torch.float32))
-
-
-def planner(rows: InGraphRows, value: Any) -> GraphSteps:
-    return GraphSteps({LOCATION: rows}, lambda op: list(op.patterns()), {LOCATION: value})
+    arena = SaveArena(HIDDEN, ROWS, cpu, torch.float32)
+    taps, values = {}, {}
+    for number, host in enumerate(("layers.0", "layers.1")):
+        value = values[f"{host}.layer_output"] = residual_value(Toy(), host)
+        taps[value.location] = InGraphRows(
+            value, SteerRows(value, HIDDEN, ROWS, SLOTS, str(number), cpu, torch.float32),
+            SaveRing(value, HIDDEN, ROWS, str(number), arena))
+        taps[value.location].saves.ring.copy_(torch.randn(
+            ROWS, HIDDEN, generator=torch.Generator().manual_seed(number)))
+    return taps, values
 
 
 @st.composite
@@ -53,38 +60,43 @@ def steps(draw: Any) -> tuple[list[int], list[int], list[str | None]]:
 
 
 @settings(deadline=None, max_examples=150)
-@given(steps())
-def test_a_step_planned_per_program_writes_and_saves_what_the_general_plan_does(step) -> None:
+@given(steps(), st.integers(1, 3))
+def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
+        step, repeats) -> None:
     counts, firsts, names = step
-    layout = layout_of(counts, firsts)
-    requests = [ScheduledRequest(key, Program(f"p-{key}", name, PROGRAMS[name]), 100)
-                for key, name in zip(layout.keys, names, strict=True) if name is not None]
+    requests = []
     found = {}
     for path in ("general", "per program"):
-        value = residual_value(Toy(), "layers.0")
-        rows, store = in_graph_rows(value), SaveStore()
-        rows.saves.ring.copy_(torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(1)))
-        if path == "general":
-            groups = plan_step(layout, requests, lambda op: list(op.patterns())).tokens.wants.get(
-                LOCATION, [])
-            rows.steer.fill(steered_rows(value, groups, store.failed, rows.steer.vectors))
-            rows.saves.take(groups, store.failed, value, store)
-        else:
-            planned = planner(rows, value).plan(layout, requests)
-            assert planned is not None
-            for tap in planned:
-                if tap.index is not None:
-                    tap.rows.steer.write(tap.vectors, tap.index)
-                tap.rows.saves.keep(tap.saving, store)
+        (taps, values), store = graph_taps(), SaveStore()
+        for repeat in range(repeats):  # steps whose positions follow on
+            layout = layout_of(counts, [first + repeat * 6 for first in firsts])
+            requests = [ScheduledRequest(key, Program(f"p-{key}", name, PROGRAMS[name]), 100)
+                        for key, name in zip(layout.keys, names, strict=True) if name is not None]
+            if path == "general":
+                wants = plan_step(layout, requests, lambda op: list(op.patterns())).tokens.wants
+                for location, rows in taps.items():
+                    groups = wants.get(location, [])
+                    rows.steer.fill(steered_rows(values[location], groups, store.failed,
+                                                 rows.steer.vectors))
+                    rows.saves.take(groups, store.failed, values[location], store)
+            else:
+                planned = GraphSteps(taps, lambda op: list(op.patterns()), values).plan(
+                    layout, requests)
+                assert planned is not None
+                for steering in planned.steering:
+                    steering.rows.steer.write(steering.vectors, steering.index)
+                for rings, saving in planned.saves:
+                    keep_rows(rings[0].arena, rings, saving, store)
         # What each row gets added, and what each request saved (some positions only: a row
         # saved as another position's would show).
-        added = rows.steer.table.index_select(0, rows.steer.index)
-        saved = store.collect([ToCollect(request.program.program_id, 10_000,
-                                         {LOCATION: lambda position: position % 3 != 1})
-                               for request in requests])
+        added = [rows.steer.table.index_select(0, rows.steer.index) for rows in taps.values()]
+        saved = store.collect([ToCollect(request.program.program_id, 10_000, {
+            location: lambda position: position % 3 != 1 for location in taps})
+            for request in requests])
         found[path] = (added, saved)
     (added, saved), (added_too, saved_too) = found.values()
-    assert torch.equal(added, added_too)
+    for one, other in zip(added, added_too, strict=True):
+        assert torch.equal(one, other)
     assert saved.keys() == saved_too.keys()
     for program_id, values in saved.items():
         assert values.keys() == saved_too[program_id].keys()
@@ -93,14 +105,14 @@ def test_a_step_planned_per_program_writes_and_saves_what_the_general_plan_does(
 
 
 def test_a_program_with_other_work_leaves_the_step_to_the_general_plan() -> None:
-    value = residual_value(Toy(), "layers.0")
-    graph_steps = planner(in_graph_rows(value), value)
+    taps, values = graph_taps()
+    graph_steps = GraphSteps(taps, lambda op: list(op.patterns()), values)
     layout = layout_of([2, 1])
     served = ScheduledRequest("r0", Program("p-r0", "steer", PROGRAMS["steer"]), 100)
-    for others in ([ops.Scale(LOCATION, 2.0)],  # the taps' Python
-                   [ops.Add(LOCATION, ONE, steps="decode")],  # an Add at some positions only
-                   [ops.Save(LOCATION), ops.Add(LOCATION, ONE)],  # a save before the steering
-                   [ops.Save("layers.1.layer_output")]):  # a location with no graph tap
+    for others in ([ops.Scale(FIRST, 2.0)],  # the taps' Python
+                   [ops.Add(FIRST, ONE, steps="decode")],  # an Add at some positions only
+                   [ops.Save(FIRST), ops.Add(FIRST, ONE)],  # a save before the steering
+                   [ops.Save("layers.2.layer_output")]):  # a location with no graph tap
         other = ScheduledRequest("r1", Program("p-r1", repr(others), tuple(others)), 100)
         assert graph_steps.plan(layout, [served, other]) is None
     assert graph_steps.plan(layout, [served]) is not None

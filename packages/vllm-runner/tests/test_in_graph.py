@@ -19,6 +19,7 @@ from vllm_envoys.layouts import QUERIES, RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner import ops
 from vllm_runner.in_graph import InGraphRows, in_graph_ops, in_graph_value
+from vllm_runner.save_arena import SaveArena
 from vllm_runner.serving import Want
 from vllm_runner.store import SaveStore, ToCollect
 from vllm_runner.tap_saves import SaveRing
@@ -73,7 +74,8 @@ def steered_toy(backend: str | None) -> tuple[Toy, InGraphRows, Any]:
 def in_graph_rows(value: Any) -> InGraphRows:
     cpu = torch.device("cpu")
     return InGraphRows(value, SteerRows(value, WIDTH, ROWS, SLOTS, "0", cpu, torch.float32),
-                       SaveRing(value, WIDTH, ROWS, "0", cpu, torch.float32))
+                       SaveRing(value, WIDTH, ROWS, "0",
+                                SaveArena(WIDTH, ROWS, cpu, torch.float32)))
 
 
 def want(request: str, span: Span, op: ops.Op) -> Want:

@@ -247,44 +247,54 @@ class _DeviceArena(SaveArena):
 @settings(deadline=None, max_examples=200)
 @given(histories(), st.lists(st.booleans(), min_size=12, max_size=12))
 def test_rows_kept_in_an_arena_are_collected_as_if_saved_whole(history, through_arena) -> None:
-    """A graph tap's saves wait in an arena (`save_arena`), mixed with saves the taps' Python
-    made, spilled at any point: collected, they equal the same rows saved as tensors."""
+    """Graph taps' saves wait in an arena (`save_arena`), the same rows for two taps in one
+    `PendingRows`, mixed with saves the taps' Python made, spilled at any point: collected,
+    they equal the same rows saved as tensors."""
     chunks, computed = history
     expected_store, store, arena = SaveStore(), SaveStore(), _DeviceArena()
+    everything = {"a": None, "b": None}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(host_copies, "STAGING_BYTES", 64)
         patch.setattr(torch, "cat", _cat_on_one_device)
         for step, (first, size, spill_after) in enumerate(chunks):
             rows = torch.arange(size, dtype=torch.float32).reshape(1, size, 1) + 100 * step
-            expected_store.save("k", "a", first, rows, 1)
+            by_location = {"a": rows, "b": -rows}
+            for location, value in by_location.items():
+                expected_store.save("k", location, first, value, 1)
             if through_arena[step]:
-                block, row = arena.append(rows[0])
-                store.save_pending("a", arena, [("k", first, block, row, size)])
+                block, row = arena.reserve(size)
+                arena.write(list(by_location), block, row,
+                            [value[0] for value in by_location.values()])
+                store.save_pending(("a", "b"), arena, [("k", first, block, row, size)])
             else:
-                store.save("k", "a", first, on_a_device(rows), 1)
+                for location, value in by_location.items():
+                    store.save("k", location, first, on_a_device(value), 1)
             assert store.device_bytes > 0
             if spill_after:
                 store.spill(0)
                 assert store.device_bytes == 0
-        expected = expected_store.collect([("k", computed, {"a": None})])["k"]
-        found = store.collect([("k", computed, {"a": None})])["k"]
-    assert type(found["a"]) is torch.Tensor  # on the host
-    assert torch.equal(found["a"], expected["a"])
+        expected = expected_store.collect([("k", computed, everything)])["k"]
+        found = store.collect([("k", computed, everything)])["k"]
+    assert found.keys() == expected.keys() == {"a", "b"}
+    for location, value in found.items():
+        assert type(value) is torch.Tensor  # on the host
+        assert torch.equal(value, expected[location])
     assert arena.blocks <= 1  # only the block rows still go into is kept
 
 
 def test_an_arenas_blocks_are_freed_when_their_requests_are_collected_or_dropped() -> None:
     store, arena = SaveStore(), SaveArena(2, 1, torch.device("cpu"), torch.float32, 48)
     for step in range(12):  # three requests, one row each a step; blocks of 6 rows: 2 steps
-        rows = torch.full((3, 2), float(step))
-        block, row = arena.append(rows)
-        store.save_pending("a", arena, [(key, step, block, row + index, 1)
-                                        for index, key in enumerate("xyz")])
+        block, row = arena.reserve(3)
+        arena.write(["a", "b"], block, row, [torch.full((3, 2), float(step))] * 2)
+        store.save_pending(("a", "b"), arena, [(key, step, block, row + index, 1)
+                                               for index, key in enumerate("xyz")])
     assert arena.blocks == 6
-    assert store.held() == {"requests": 3, "bytes": 3 * 12 * 2 * 4}
+    assert store.held() == {"requests": 3, "bytes": 3 * 2 * 12 * 2 * 4}
     store.drop(["x"])
-    found = store.collect([("y", 12, {"a": None})])["y"]["a"]
-    assert torch.equal(found, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
+    found = store.collect([("y", 12, {"a": None, "b": None})])["y"]
+    for value in found.values():
+        assert torch.equal(value, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
     assert arena.blocks == 6  # z's rows are in every block
     store.drop(["z"])
     assert arena.blocks == 1 and len(store) == 0

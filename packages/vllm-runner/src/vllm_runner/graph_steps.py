@@ -23,7 +23,7 @@ from vllm_runner.in_graph import InGraphRows, in_graph_ops
 from vllm_runner.ops import Add, Op, Save
 from vllm_runner.program import Program
 from vllm_runner.step_plan import ScheduledRequest
-from vllm_runner.tap_saves import SavedRows
+from vllm_runner.tap_saves import SavedRows, SaveRing
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,21 @@ class GraphWork:
 
 
 @dataclass(frozen=True)
-class GraphTapStep:
-    """One graph tap's work this step: the distinct vectors and each row's slot among them
-    (`None`: nobody steers), and the saving requests' rows."""
+class Steering:
+    """One graph tap's steering this step: the distinct vectors, each row's slot among them."""
 
     rows: InGraphRows
     vectors: tuple[torch.Tensor, ...]
-    index: np.ndarray | None
-    saving: list[SavedRows]
+    index: np.ndarray
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """A step's work at the graph taps: the steering to write before the forward, and after
+    it, per set of taps the same requests saved at (every layer's, often), their rows."""
+
+    steering: list[Steering]
+    saves: list[tuple[list[SaveRing], list[SavedRows]]]
 
 
 class GraphSteps:
@@ -90,7 +97,7 @@ class GraphSteps:
         return work
 
     def plan(self, layout: StepLayout, requests: Sequence[ScheduledRequest]
-             ) -> list[GraphTapStep] | None:
+             ) -> GraphStep | None:
         """Each graph tap's work this step, if every request's program runs inside the graph
         alone; else `None` (the general plan serves the step)."""
         works: dict[str, dict[str, GraphWork]] = {}
@@ -104,32 +111,35 @@ class GraphSteps:
         index_of = layout.index_map
         places = [(request.program.digest, request.program.program_id,
                    index_of[request.request_id]) for request in requests]
-        starts, counts, firsts = layout.starts, layout.counts, layout.first_positions
-        steps = []
+        steering = []
+        rings: dict[frozenset[str], list[SaveRing]] = {}  # by the programs saving there
         for location, rows in self._in_graph.items():
             at = {digest: work[location] for digest, work in works.items() if location in work}
             if not at:
                 continue
-            vectors, index = self._steering(rows, at, places, layout)
-            saves = {digest for digest, work in at.items() if work.saves}
-            saving = [(program_id, starts[row], counts[row], firsts[row])
-                      for digest, program_id, row in places if digest in saves]
-            steps.append(GraphTapStep(rows, vectors, index, saving))
-        return steps
+            if (steered := self._steering(rows, at, places, layout)) is not None:
+                steering.append(steered)
+            if saving := frozenset(digest for digest, work in at.items() if work.saves):
+                rings.setdefault(saving, []).append(rows.saves)
+        starts, counts, firsts = layout.starts, layout.counts, layout.first_positions
+        return GraphStep(steering, [
+            (taps, [(program_id, starts[row], counts[row], firsts[row])
+                    for digest, program_id, row in places if digest in saving])
+            for saving, taps in rings.items()])
 
     @staticmethod
     def _steering(rows: InGraphRows, at: dict[str, GraphWork],
-                  places: list[tuple[str, str, int]], layout: StepLayout,
-                  ) -> tuple[tuple[torch.Tensor, ...], np.ndarray | None]:
-        """The distinct vectors at one graph tap and every row's slot (0: not steered)."""
+                  places: list[tuple[str, str, int]], layout: StepLayout) -> Steering | None:
+        """The distinct vectors at one graph tap and every row's slot (0: not steered); `None`
+        if nobody steers there."""
         by_digest = {digest: rows.steer.vectors.vector(work.adds)
                      for digest, work in at.items() if work.adds}
         if not by_digest:
-            return (), None
+            return None
         vectors = tuple({id(vector): vector for vector in by_digest.values()}.values())
         slot_of = {id(vector): slot for slot, vector in enumerate(vectors, start=1)}
         digest_slot = {digest: slot_of[id(vector)] for digest, vector in by_digest.items()}
         slots = np.zeros(len(layout), dtype=np.int64)
         for digest, _, row in places:
             slots[row] = digest_slot.get(digest, 0)
-        return vectors, np.repeat(slots, layout.counts)
+        return Steering(rows, vectors, np.repeat(slots, layout.counts))

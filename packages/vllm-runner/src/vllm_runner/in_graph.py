@@ -24,6 +24,7 @@ from vllm_envoys.codecs import Rows, Stream
 from vllm_envoys.layouts import RESIDUAL
 
 from vllm_runner.ops import Add, Op, Save
+from vllm_runner.save_arena import SaveArena
 from vllm_runner.tap_saves import SaveRing
 from vllm_runner.tap_steering import SteerRows
 
@@ -101,9 +102,10 @@ class InGraphBuffers:
         width = self.width
         if width is None:
             return {}
+        arena = SaveArena(width, rows, self.device, self.dtype)  # shared: `save_arena`
         return {value.location: InGraphRows(
             value, SteerRows(value, width, rows, slots, str(number), self.device, self.dtype),
-            SaveRing(value, width, rows, str(number), self.device, self.dtype))
+            SaveRing(value, width, rows, str(number), arena))
             for number, value in enumerate(values) if in_graph_value(value)}
 
     def bytes_per_value(self, rows: int, slots: int) -> int:

@@ -19,7 +19,7 @@ from tpfragments import Fragments
 from vllm_envoys import Value, standardize
 
 from vllm_runner.errors import LocationError
-from vllm_runner.graph_steps import GraphSteps, GraphTapStep
+from vllm_runner.graph_steps import GraphStep, GraphSteps
 from vllm_runner.hooks import SAMPLER_HOOK, Hooks
 from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.lens import ModelLens
@@ -37,6 +37,7 @@ from vllm_runner.step_plan import (
     plan_step,
 )
 from vllm_runner.store import Keep, SaveStore, ToCollect
+from vllm_runner.tap_saves import keep_rows
 from vllm_runner.tap_steering import steered_rows
 from vllm_runner.taps import install_taps, serve_taps
 
@@ -117,7 +118,7 @@ class Runtime:
         self._edited_in_step = False  # a scheduled request's program edits (`program`)
         self._served_in_graph = False  # this step's programs were served from buffers
         self._saves_in_graph: list[tuple[str, list[OpGroup]]] = []  # taken after the forward
-        self._graph_step: list[GraphTapStep] = []  # a step planned by `graph_steps`
+        self._graph_step: GraphStep | None = None  # a step planned by `graph_steps`
         self._graph_steps = GraphSteps(self.in_graph, self.locations_of, self.values)
         self._in_graph_known: dict[tuple[str, str], bool] = {}  # (digest, location)
         # Programs checked against their prompt (at their first step), by program id.
@@ -359,19 +360,18 @@ class Runtime:
     def _plan_in_graph(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> bool:
         """Serve the step from the graph taps' buffers alone, planned per program
         (`graph_steps`), if every program of it runs inside the graph; whether it was."""
-        steps = self._graph_steps.plan(layout, requests)
-        if steps is None:
+        step = self._graph_steps.plan(layout, requests)
+        if step is None:
             return False
         try:
-            for step in steps:
-                if step.index is not None:
-                    step.rows.steer.write(step.vectors, step.index)
+            for steering in step.steering:
+                steering.rows.steer.write(steering.vectors, steering.index)
         except Exception:  # the general plan serves it then, failing only whom it must
             logger.exception("vllm-runner: a step could not be served in the graph")
-            for step in steps:
-                step.rows.steer.clear()
+            for steering in step.steering:
+                steering.rows.steer.clear()
             return False
-        self._graph_step = steps
+        self._graph_step = step
         return True
 
     def _serve_in_graph(self, tokens: Visits) -> bool:
@@ -414,11 +414,13 @@ class Runtime:
                 rows.saves.take(groups, self.store.failed, self.values[location], self.store)
             rows.steer.clear()
         self._saves_in_graph.clear()
-        for step in self._graph_step:
+        step, self._graph_step = self._graph_step, None
+        if step is not None:
             if self.services.keeps_saves:
-                step.rows.saves.keep(step.saving, self.store)
-            step.rows.steer.clear()
-        self._graph_step = []
+                for rings, saving in step.saves:
+                    keep_rows(rings[0].arena, rings, saving, self.store)
+            for steering in step.steering:
+                steering.rows.steer.clear()
 
     def _visit(self, location: str, value: Value, raw: Any) -> None:
         """Serve the step's requests at one hook visit; a sharded value is made whole first."""

@@ -147,24 +147,28 @@ class SaveStore:
             if size:
                 device_bytes[program_id] += value.numel() * size
 
-    def save_pending(self, location: str, arena: SaveArena,
+    def save_pending(self, locations: tuple[str, ...], arena: SaveArena,
                      saved: list[tuple[str, int, int, int, int]]) -> None:
-        """`save_rows` for rows a graph tap put in `arena` (`tap_saves`): each of `saved` is
-        `(program_id, first position, block, row, count)`; a request's rows wait there, its
-        steps' pieces in one `PendingRows` while their positions follow on, until collected,
-        dropped or moved to the host. Token axis 1."""
+        """`save_rows` for rows graph taps put in `arena` (`tap_saves`), the same rows at each
+        of `locations`: each of `saved` is `(program_id, first position, block, row, count)`. A
+        request's rows wait there, its steps' pieces in one `PendingRows` while their positions
+        follow on (shared by the locations), until collected, dropped or moved to the host.
+        Token axis 1."""
         chunks, axes, device_bytes = self._chunks, self._axes, self._device_bytes
-        size = arena.row_bytes if arena.device.type != "cpu" else 0
+        size = arena.row_bytes * len(locations) if arena.device.type != "cpu" else 0
         if size:
             self._device = arena.device
+        first_location = locations[0]
         for program_id, first_position, block, row, count in saved:
-            kept = chunks[program_id][location]
+            by_location = chunks[program_id]
+            kept = by_location[first_location]
             pending = kept[-1][1] if kept else None
-            if (type(pending) is not PendingRows or pending.arena is not arena
-                    or pending.end != first_position):
-                axes[program_id, location] = 1
-                pending = PendingRows(arena, first_position)
-                kept.append(Chunk((first_position, pending)))
+            if (type(pending) is not PendingRows or pending.locations != locations
+                    or pending.arena is not arena or pending.end != first_position):
+                pending = PendingRows(arena, first_position, locations)
+                for location in locations:
+                    axes[program_id, location] = 1
+                    by_location[location].append(Chunk((first_position, pending)))
             pending.add(block, row, count)
             if size:
                 device_bytes[program_id] += count * size
@@ -191,7 +195,7 @@ class SaveStore:
     def _to_host(self, program_id: str, mover: host_copies.ToHost) -> None:
         """Queue `program_id`'s device chunks on `mover`, joined where positions follow on."""
         for location, chunks in self._chunks.get(program_id, {}).items():
-            chunks[:] = _resolved(chunks)
+            chunks[:] = _resolved(chunks, location)
             axis = self._axes.get((program_id, location))
             if axis is not None and (program_id, location) not in self._fills:
                 chunks[:] = _joined(chunks, axis)
@@ -245,7 +249,7 @@ class SaveStore:
         self._forget(program_id)
         result: dict[str, torch.Tensor] = {}
         for location, chunks in self._chunks.pop(program_id, {}).items():
-            chunks = _resolved(chunks)
+            chunks = _resolved(chunks, location)
             axis = self._axes.pop((program_id, location), None)
             fill = self._fills.pop((program_id, location), None)
             if axis is None:
@@ -289,12 +293,13 @@ def _bytes(rows: torch.Tensor | PendingRows) -> int:
     return rows.numel() * rows.element_size()
 
 
-def _resolved(chunks: list[Chunk]) -> list[Chunk]:
-    """`chunks` with rows still in a `SaveArena` taken out of it (`PendingRows.gather`)."""
+def _resolved(chunks: list[Chunk], location: str) -> list[Chunk]:
+    """`location`'s `chunks` with rows still in a `SaveArena` taken out of it
+    (`PendingRows.gather`)."""
     if not any(type(rows) is PendingRows for _, rows in chunks):
         return chunks
-    return [Chunk((first, rows.gather())) if type(rows) is PendingRows else Chunk((first, rows))
-            for first, rows in chunks]
+    return [Chunk((first, rows.gather(location))) if type(rows) is PendingRows
+            else Chunk((first, rows)) for first, rows in chunks]
 
 
 def _joined(chunks: list[Chunk], axis: int) -> list[Chunk]:

@@ -5,14 +5,14 @@ A `Save` needs no Python in the forward either: the tap's hook copies the whole 
 of the step, into a ring buffer of the tapped module (`ring[:rows] = value`), traced into the
 graph like the rest of the model. The copy is private at once, so vLLM's later in-place kernels
 cannot overwrite it. After the forward, the runtime takes the saving requests' rows from the
-ring into the value's `SaveArena` (one copy per run of adjacent requests), where they wait for
-collection as `Pending` pieces of the save store; the ring is rewritten by the next forward,
-and on a GPU that copy is ordered before it on the same stream.
+rings into the graph taps' `SaveArena` (one copy per run of adjacent requests and tap), where
+they wait for collection as `PendingRows` of the save store; a ring is rewritten by the next
+forward, and on a GPU that copy is ordered before it on the same stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -30,16 +30,16 @@ SavedRows = tuple[str, int, int, int]
 class SaveRing:
     """The ring buffer of one tapped value, and the copy the tap's hook makes into it."""
 
-    def __init__(self, value: Value, width: int, rows: int, name: str, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        """A `[rows, width]` buffer (`rows`: the most one forward runs) registered on the
-        value's module as `interp_save_<name>_ring` (not saved with it)."""
+    def __init__(self, value: Value, width: int, rows: int, name: str, arena: SaveArena) -> None:
+        """A `[rows, width]` buffer (`rows`: the most one forward runs) in `arena`'s device and
+        dtype, registered on the value's module as `interp_save_<name>_ring` (not saved with
+        it); saved rows are kept in `arena`."""
         self.location = value.location
         self._name = f"interp_save_{name}_ring"
-        value.module.register_buffer(self._name, torch.zeros(rows, width, device=device,
-                                                             dtype=dtype), persistent=False)
+        value.module.register_buffer(self._name, torch.zeros(
+            rows, width, device=arena.device, dtype=arena.dtype), persistent=False)
         self.ring: torch.Tensor = getattr(value.module, self._name)
-        self.arena = SaveArena(width, rows, device, dtype)
+        self.arena = arena
 
     def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
         """Copy the value's `rows` (`[tokens, hidden]`) into the ring, traced into the compiled
@@ -59,19 +59,30 @@ class SaveRing:
         self.keep(list(saving.values()), store)
 
     def keep(self, saving: list[SavedRows], store: SaveStore) -> None:
-        """Keep the rows `saving` names (one entry per request) of the last forward: into the
-        arena, one copy per run of adjacent requests, and into the store as pending rows."""
-        if not saving:
-            return
-        saving.sort(key=lambda saved: saved[1])
-        arena, ring = self.arena, self.ring
-        placed: list[tuple[str, int, int, int, int]] = []
-        for run in _runs(saving):
-            start = run[0][1]
-            block, row = arena.append(ring[start:run[-1][1] + run[-1][2]])
-            placed.extend((program_id, first_position, block, row + first - start, count)
-                          for program_id, first, count, first_position in run)
-        store.save_pending(self.location, arena, placed)
+        """Keep the rows `saving` names (one entry per request) of the last forward
+        (`keep_rows`)."""
+        keep_rows(self.arena, [self], saving, store)
+
+
+def keep_rows(arena: SaveArena, rings: Sequence[SaveRing], saving: list[SavedRows],
+              store: SaveStore) -> None:
+    """Keep the rows `saving` names (one entry per request) of the last forward at every one of
+    `rings` (their taps all saved them): into `arena`, one copy per run of adjacent requests and
+    ring, and into the store as pending rows, one per request for all the rings."""
+    if not saving:
+        return
+    saving.sort(key=lambda saved: saved[1])
+    runs = _runs(saving)
+    block, row = arena.reserve(sum(count for _, _, count, _ in saving))
+    locations = tuple(ring.location for ring in rings)
+    placed: list[tuple[str, int, int, int, int]] = []
+    for run in runs:
+        start, stop = run[0][1], run[-1][1] + run[-1][2]
+        arena.write(locations, block, row, [ring.ring[start:stop] for ring in rings])
+        placed.extend((program_id, first_position, block, row + first - start, count)
+                      for program_id, first, count, first_position in run)
+        row += stop - start
+    store.save_pending(locations, arena, placed)
 
 
 def _runs(saving: list[SavedRows]) -> list[list[SavedRows]]:
