@@ -94,10 +94,13 @@ SUITE_ENGINE: dict[str, object] = ({"enforce_eager": False, **SUITE_TAPS} if SUI
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With the suite's engine compiled (`SUITE_COMPILED`), only the tests that use it run: the
-    others start engines of their own, the same with it or without."""
+    others start engines of their own, the same with it or without. A module that sets
+    `EAGER_SUITE_ENGINE = True` uses the suite's engine as the eager one beside compiled engines
+    of its own (test_compiled.py): compiled, it would test nothing more, so it is left out."""
     if not SUITE_COMPILED:
         return
-    kept = [item for item in items if "llm" in getattr(item, "fixturenames", ())]
+    kept = [item for item in items if "llm" in getattr(item, "fixturenames", ())
+            and not getattr(getattr(item, "module", None), "EAGER_SUITE_ENGINE", False)]
     config.hook.pytest_deselected(items=[item for item in items if item not in kept])
     items[:] = kept
 

@@ -23,6 +23,10 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
 
+#: The suite's engine (`llm`) is this module's eager engine, beside compiled engines of its own:
+#: the suite's compiled pass leaves the module out (conftest), its first pass runs it whole.
+EAGER_SUITE_ENGINE = True
+
 # The suite's engine settings (conftest `llm`), compiled: the same steps, so the same rows.
 SETTINGS = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,
             "max_num_batched_tokens": 8, "block_size": 32, "seed": 0,
