@@ -86,7 +86,7 @@ def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
                 for steering in planned.steering:
                     steering.rows.steer.write(steering.vectors, steering.index)
                 for rings, saving in planned.saves:
-                    keep_rows(rings[0].arena, rings, saving, store)
+                    keep_rows(rings, saving, store)
         # What each row gets added, and what each request saved (some positions only: a row
         # saved as another position's would show).
         added = [rows.steer.table.index_select(0, rows.steer.index) for rows in taps.values()]

@@ -418,7 +418,7 @@ class Runtime:
         if step is not None:
             if self.services.keeps_saves:
                 for rings, saving in step.saves:
-                    keep_rows(rings[0].arena, rings, saving, self.store)
+                    keep_rows(rings, saving, self.store)
             for steering in step.steering:
                 steering.rows.steer.clear()
 

@@ -85,7 +85,7 @@ class SaveArena:
     def __init__(self, width: int, rows_per_forward: int, device: torch.device,
                  dtype: torch.dtype, block_bytes: int = BLOCK_BYTES) -> None:
         self.width, self.device, self.dtype = width, device, dtype
-        self._index_device = device
+        self._index_device = device  # where gather's indices go (a test fakes `device`)
         self.row_bytes = width * torch.empty((), dtype=dtype).element_size()
         self._block_rows = max(rows_per_forward, block_bytes // self.row_bytes, 1)
         self._sizes: dict[int, int] = {}  # block -> its rows

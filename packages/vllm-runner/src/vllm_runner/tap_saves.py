@@ -56,21 +56,16 @@ class SaveRing:
                 span = want.span
                 saving[want.program_id] = (want.program_id, span.start, span.stop - span.start,
                                            span.first_position)
-        self.keep(list(saving.values()), store)
-
-    def keep(self, saving: list[SavedRows], store: SaveStore) -> None:
-        """Keep the rows `saving` names (one entry per request) of the last forward
-        (`keep_rows`)."""
-        keep_rows(self.arena, [self], saving, store)
+        keep_rows([self], list(saving.values()), store)
 
 
-def keep_rows(arena: SaveArena, rings: Sequence[SaveRing], saving: list[SavedRows],
-              store: SaveStore) -> None:
+def keep_rows(rings: Sequence[SaveRing], saving: list[SavedRows], store: SaveStore) -> None:
     """Keep the rows `saving` names (one entry per request) of the last forward at every one of
-    `rings` (their taps all saved them): into `arena`, one copy per run of adjacent requests and
-    ring, and into the store as pending rows, one per request for all the rings."""
+    `rings` (their taps all saved them): into their shared arena, one copy per run of adjacent
+    requests and ring, and into the store as pending rows, one per request for all the rings."""
     if not saving:
         return
+    arena = rings[0].arena
     saving.sort(key=lambda saved: saved[1])
     runs = _runs(saving)
     block, row = arena.reserve(sum(count for _, _, count, _ in saving))
