@@ -24,6 +24,10 @@ are every layer's (tier 3 at every layer; its own process, started only for this
 a `Call` at one layer on every request (a tap, the Python function run between compiled
 pieces); (untapped) every request saves one layer's `attention_output`, which no tap serves
 (tier 1: those steps run eager); (eager) the eager bare engine, no programs.
+
+`--profile PATH` then runs the default engine and each arm once more under cProfile and once
+under torch's profiler (kernels by device time, the device's busy share of the wall time): for
+telling host work from device work when an arm is slower than another.
 """
 
 from __future__ import annotations
@@ -102,9 +106,6 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     job `(arm, prompts, width, max_tokens)`, its seconds sent back."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     if kind.startswith("ours"):
         from vllm_runner import LLM
 
@@ -118,23 +119,86 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     layers = config.get_num_layers(engine.llm_engine.vllm_config.parallel_config)
     results.put(("ready", layers, config.get_hidden_size(), config.get_vocab_size()))
     while (job := jobs.get()) is not None:
-        arm, prompts, width, max_tokens = job
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
+        arm, prompts, width, max_tokens, profiler = job
+        failed: list[str] = []
+        workload = partial(run_workload, engine, kind.startswith("ours"), arm, prompts, width,
+                           max_tokens, (layers, config.get_hidden_size()), failed)
         start = time.perf_counter()
-        for first in range(0, len(requests), width):
-            wave = requests[first:first + width]
-            if kind.startswith("ours"):
-                outputs = engine.generate(wave, params, use_tqdm=False, interventions=programs(
-                    arm, len(wave), layers, config.get_hidden_size()))
-                failed = [output.error for output in outputs if output.error]
-                if failed:
-                    results.put(("failed", failed[0]))
-                    return
-            else:
-                engine.generate(wave, params, use_tqdm=False)
-        results.put(("took", time.perf_counter() - start))
+        report = PROFILERS[profiler](workload) if profiler else workload()
+        if failed:
+            results.put(("failed", failed[0]))
+            return
+        results.put(("took", time.perf_counter() - start, report))
     results.put(("forwards", engine.forwards() if kind.startswith("ours") else None))
+
+
+def run_workload(engine: Any, ours: bool, arm: str, prompts: list[list[int]], width: int,
+                 max_tokens: int, shape: tuple[int, int], failed: list[str]) -> None:
+    """`prompts` through `engine`, `width` at a time, with `arm`'s programs on our engine
+    (`shape`: the model's layers and hidden size); the first failed request's error goes to
+    `failed` and stops the run."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
+    for first in range(0, len(requests), width):
+        wave = requests[first:first + width]
+        if not ours:
+            engine.generate(wave, params, use_tqdm=False)
+            continue
+        outputs = engine.generate(wave, params, use_tqdm=False,
+                                  interventions=programs(arm, len(wave), *shape))
+        failed.extend(output.error for output in outputs if output.error)
+        if failed:
+            return
+
+
+def python_profile(workload: Callable[[], None]) -> str:
+    """Where the host's time goes while `workload` runs (cProfile; our hooks and vLLM's runner
+    both run in this process): the functions with the most time of their own, then the most
+    time under them. With a GPU, waits for the device show as the calls that wait."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(workload)
+    report = io.StringIO()
+    stats = pstats.Stats(profiler, stream=report)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    return report.getvalue()
+
+
+def device_profile(workload: Callable[[], None]) -> str:
+    """What the device ran while `workload` ran (torch's profiler): kernels by device time, and
+    host-side torch calls by their own time; the device's busy share of the wall time says
+    whether the host or the device is the limit."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with profile(activities=activities) as recorded:
+        workload()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    averages = recorded.key_averages()
+    device_us = sum(event.self_device_time_total for event in averages)
+    return (f"wall {wall:.2f} s under the profiler; device busy {device_us / 1e6:.2f} s "
+            f"({device_us / 1e6 / wall:.0%} of wall)\n\n"
+            + averages.table(sort_by="self_device_time_total", row_limit=25,
+                             max_name_column_width=70)
+            + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30,
+                                     max_name_column_width=70))
+
+
+PROFILERS: dict[str, Callable[[Callable[[], None]], str]] = {
+    "python": python_profile, "device": device_profile}
 
 
 class Engine:
@@ -176,8 +240,14 @@ class Engine:
         return tuple(found)
 
     def run(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int) -> float:
-        self.jobs.put((arm, prompts, width, max_tokens))
+        self.jobs.put((arm, prompts, width, max_tokens, None))
         return float(self.answer("took")[1])
+
+    def profile(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int,
+                profiler: str) -> str:
+        """One untimed run of `arm` under a profiler of `PROFILERS`: its report."""
+        self.jobs.put((arm, prompts, width, max_tokens, profiler))
+        return str(self.answer("took")[2])
 
     def close(self) -> Any:
         self.jobs.put(None)
@@ -199,6 +269,9 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(NAMES))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--out", default=None, help="default: docs/benchmarks/compiled-<device>.md")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="after the timed repeats, run the default engine and each arm once "
+                             "under cProfile and once under torch's profiler; reports to PATH")
     arguments = parser.parse_args()
     arms = arguments.arms.split(",")
     if unknown := [arm for arm in arms if arm not in NAMES]:
@@ -236,8 +309,11 @@ def main() -> None:
         return [torch.randint(0, default.vocab, (int(length),), generator=generator).tolist()
                 for length in torch.randint(32, 257, (arguments.requests,), generator=generator)]
 
+    def arm_engine_of(arm: str) -> Engine:
+        return engines[{"eager": "eager", "cg": "ours every layer"}.get(arm, "ours")]
+
     def arm_engine(arm: str) -> Callable[[list[list[int]]], float]:
-        engine = engines[{"eager": "eager", "cg": "ours every layer"}.get(arm, "ours")]
+        engine = arm_engine_of(arm)
         return lambda prompts: engine.run(arm, prompts, arguments.concurrency,
                                           arguments.max_tokens)
 
@@ -276,10 +352,32 @@ def main() -> None:
             print(f"repeat {repeat + 1}/{arguments.repeats} {arm:>8}: default {base:6.2f} s, "
                   f"arm {took:6.2f} s, ratio {base / took:.3f}", flush=True)
         publish(repeat + 1, None)
+    if arguments.profile:
+        profile_arms(arms, arm_engine_of, default, fresh_prompts, arguments,
+                     Path(arguments.profile))
     forwards = {kind: engine.close() for kind, engine in engines.items()}
     print(publish(arguments.repeats, forwards["ours"]))
     if "ours every layer" in forwards:
         print(f"forwards of ours with every layer a graph tap: {forwards['ours every layer']}")
+
+
+def profile_arms(arms: list[str], engine_of: Callable[[str], Engine], default: Engine,
+                 fresh_prompts: Callable[[], list[list[int]]], arguments: argparse.Namespace,
+                 path: Path) -> None:
+    """The default engine and each arm once under each profiler (`PROFILERS`), on fresh prompts
+    of the timed runs' size, into one report: for finding what makes an arm slower than another
+    (e.g. d against b: host work, device work, or a wait)."""
+    sections = []
+    for arm in ["default", *arms]:
+        engine = default if arm == "default" else engine_of(arm)
+        for profiler in PROFILERS:
+            print(f"profiling {arm} ({profiler})", flush=True)
+            report = engine.profile("a" if arm == "default" else arm, fresh_prompts(),
+                                    arguments.concurrency, arguments.max_tokens, profiler)
+            sections.append(f"## {arm}: {NAMES.get(arm, 'vLLM default engine')} ({profiler})"
+                            f"\n\n```\n{report}\n```\n")
+            path.write_text("\n".join(sections))  # a run cut short keeps what it profiled
+    print(f"profiles written to {path}")
 
 
 def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, list[float]],

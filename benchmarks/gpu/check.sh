@@ -25,8 +25,10 @@
 #                                         every value a tap against eager (issue [K]; PARALLEL=9)
 #   benchmarks/gpu/check.sh record MODEL_DIR   real V2 steps recorded as a test fixture (issue [J])
 #   benchmarks/gpu/check.sh bench SHAPE CONCURRENCY REPEATS   (c) throughput of the [F] arms, eager, graphs and ours
-#   benchmarks/gpu/check.sh compiled SHAPE REPEATS   (d) issue [K]'s arms on a compiled engine with taps,
-#                                         against vLLM's default engine (each in its own process)
+#   benchmarks/gpu/check.sh compiled SHAPE REPEATS [REQUESTS]   (d) issue [K]'s arms on a compiled
+#                                         engine with taps, against vLLM's default engine (each in
+#                                         its own process); REQUESTS per run (256; 64 = one wave:
+#                                         short pairs, many repeats, less of the host's noise)
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
 # Run benchmarks one at a time: beside a second one on the other GPU the bare engine was 1.6x
 # slower (host work of two processes), and arms whose cost is host work more so.
@@ -245,11 +247,13 @@ bench() {
 compiled() {
   # Issue [K]: ours compiled with taps against vLLM's real default (CUDA graphs, compiled), on
   # the runner vLLM picks (V2 unless VLLM_USE_V2_MODEL_RUNNER=0), each engine in its own process.
-  # ARMS="a,b,d" runs only those arms (all by default; the eager engine only with its arm).
-  local shape=${1:-smollm2-135m} repeats=${2:-3}
+  # ARMS="a,b,d" runs only those arms (all by default; the eager engine only with its arm);
+  # PROFILE=1 then profiles the default engine and each arm once (cProfile, torch's profiler).
+  local shape=${1:-smollm2-135m} repeats=${2:-3} requests=${3:-256}
   local name="compiled-$shape"
   $python benchmarks/compiled_bench.py --shape "$shape" --dtype bfloat16 --repeats "$repeats" \
-    --concurrency 64 --requests 256 --max-tokens 128 --out "$out/$name.md" ${ARMS:+--arms "$ARMS"} \
+    --concurrency 64 --requests "$requests" --max-tokens 128 --out "$out/$name.md" ${ARMS:+--arms "$ARMS"} \
+    ${PROFILE:+--profile "$out/$name-profile.md"} \
     > "$out/$name.log" 2>&1
   local status=$?
   grep -v WARNING "$out/$name.log" | grep -v "Capturing CUDA graphs" | tail -30

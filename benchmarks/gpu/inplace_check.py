@@ -18,6 +18,8 @@ With `VLLM_INTERP_DEVICE_SAVES_MIB=0` every step's saves move to the host before
 (`SaveStore.spill`), so (2) and (4) check that path too. With `--engine taps` the engine is
 vLLM's compiled one with every value checked here a tap (issue [K]): the values are handed out
 from inside the compiled graph, where the compiler may reuse a tensor's memory after the tap.
+There every layer's output is a graph tap too, and a last pass saves only those, inside the
+graph (the save arena), against the rows the lease pass saved.
 
 Usage: python benchmarks/gpu/inplace_check.py --dtype bfloat16 [--engine eager|taps]
        [--shape smollm2-135m] [--out F]
@@ -45,6 +47,9 @@ VALUES = ("layer_input", "layer_mid", "layer_output", "self_attn.attention_input
           "self_attn.attention_values", "self_attn.attention_head_outputs",
           "self_attn.attention_output", "mlp.mlp_input", "mlp.mlp_neurons", "mlp.mlp_output")
 PATTERNS = ("token_embeddings", "logits", *(f"layers.*.{value}" for value in VALUES))
+# With `--engine taps`, the graph taps (every layer's output), whose saves wait in the arena.
+GRAPH_TAPS = "layers.*.layer_output"
+IN_GRAPH_TOLERANCE = 1e-2
 # The tokens axis of each value as handed out (nnterp layout, batch first).
 HEAD_MAJOR = ("attention_queries", "attention_keys", "attention_values")
 
@@ -108,7 +113,8 @@ def main() -> int:
     # profile free memory that another process on the GPU may be freeing.
     # `logits` is read after the model on every path: it needs no tap.
     engine = {"enforce_eager": True} if arguments.engine == "eager" else {
-        "enforce_eager": False, "taps": [p for p in PATTERNS if p != "logits"]}
+        "enforce_eager": False, "taps": [p for p in PATTERNS if p != "logits"],
+        "graph_taps": [GRAPH_TAPS]}
     llm = LLM(model, dtype=arguments.dtype, skip_tokenizer_init=True, seed=0,
               max_num_batched_tokens=64, max_num_seqs=arguments.requests,
               gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30, max_model_len=512,
@@ -122,6 +128,7 @@ def main() -> int:
     params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
 
     results = {}
+    by_mode = {}
     saves = [ops.Save(p) for p in PATTERNS]
     shared = [*saves, *(ops.Call(p, keep_shared, reads="lease") for p in PATTERNS)]
     for mode in ("lease", "view", "shared"):
@@ -133,7 +140,16 @@ def main() -> int:
         if errors:
             raise SystemExit(f"a program failed: {errors[0]}")
         results[mode] = compare(mode, outputs)
+        by_mode[mode] = outputs
     report = render(results, arguments, vllm.__version__, device)
+    in_graph_ok = True
+    if arguments.engine == "taps":
+        before = llm.forwards()["in_graph"]
+        outputs = llm.generate(prompts, params, interventions=[[ops.Save(GRAPH_TAPS)]] *
+                               len(prompts), use_tqdm=False)
+        in_graph = llm.forwards()["in_graph"] - before
+        line, in_graph_ok = compare_in_graph(by_mode["lease"], outputs, in_graph)
+        report += "\n" + line + "\n"
     forwards = llm.forwards()
     report += f"\nForwards by path (`LLM.forwards()`): {forwards}.\n"
     print(report)
@@ -142,8 +158,40 @@ def main() -> int:
     if arguments.engine == "taps" and forwards["eager"]:
         print("FAILED: with every value a tap, no step should have run the plain module tree")
         return 1
-    return 0 if all(c["kept_equal"] == c["kept"] and c["saved_equal"] == c["saved"]
-                    for mode in ("lease", "shared") for c in results[mode].values()) else 1
+    return 0 if in_graph_ok and all(
+        c["kept_equal"] == c["kept"] and c["saved_equal"] == c["saved"]
+        for mode in ("lease", "shared") for c in results[mode].values()) else 1
+
+
+def compare_in_graph(lease: list, in_graph: list, forwards: int) -> tuple[str, bool]:
+    """Every layer's output saved inside the graph (graph taps at every layer: the rows go
+    from the graph's ring into the save arena after each forward and wait there) against the same
+    rows saved by the lease pass, which equal their clones taken at read time (checked above).
+    The same prompts take the same steps, so rows agree up to the last bits of kernels that may
+    differ between a graph replayed with taps' Python and one without (`IN_GRAPH_TOLERANCE`,
+    relative to the value's largest magnitude); a row overwritten after it was handed over
+    differs by the value's own size. Whether it holds, and the line that says so."""
+    pairs = equal = 0
+    worst = 0.0
+    for ours, reference in zip(in_graph, lease, strict=True):
+        if ours.error:
+            return f"In-graph saves: a request failed: {ours.error}", False
+        for location, expected in reference.saved.items():
+            if not location.endswith(".layer_output"):
+                continue
+            got = ours.saved.get(location)
+            pairs += 1
+            if got is None or got.shape != expected.shape:
+                return (f"In-graph saves: {location} is {None if got is None else got.shape}, "
+                        f"expected {tuple(expected.shape)}"), False
+            equal += torch.equal(got, expected)
+            scale = float(expected.float().abs().max()) or 1.0
+            worst = max(worst, float((got.float() - expected.float()).abs().max()) / scale)
+    ok = pairs > 0 and forwards > 0 and worst <= IN_GRAPH_TOLERANCE
+    return (f"In-graph saves (every layer's `layer_output` a graph tap, {forwards} forwards served "
+            f"in the graph): {equal}/{pairs} (request, layer) pairs equal to the lease pass's "
+            f"saves bit for bit, worst relative difference {worst:.2e} (limit "
+            f"{IN_GRAPH_TOLERANCE}): {'ok' if ok else 'FAILED'}."), ok
 
 
 def compare(mode: str, outputs: list) -> dict[str, dict[str, int]]:
