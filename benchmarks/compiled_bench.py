@@ -265,7 +265,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=64, help="requests per run")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed pairs per arm; 0 with --profile: only profile the arms")
     parser.add_argument("--arms", default=",".join(NAMES))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--out", default=None, help="default: docs/benchmarks/compiled-<device>.md")
@@ -274,6 +275,9 @@ def main() -> None:
                              "under cProfile and once under torch's profiler; reports to PATH")
     arguments = parser.parse_args()
     arms = arguments.arms.split(",")
+    profile_only = arguments.repeats == 0
+    if profile_only and not arguments.profile:
+        raise SystemExit("--repeats 0 times nothing: give --profile PATH to profile the arms")
     if unknown := [arm for arm in arms if arm not in NAMES]:
         raise SystemExit(f"unknown arms {unknown}; known: {', '.join(NAMES)}")
 
@@ -292,11 +296,15 @@ def main() -> None:
         from vllm_runner.embedded import default_model
 
         model = default_model()
-    # One engine at a time starts (start-up compiles, and would compete for the cores).
-    default = Engine("default", model, settings)
-    middle = default.layers // 2
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    middle = config.num_hidden_layers // 2
     taps = (["layers.*.layer_output"], [f"layers.{middle}.layer_output"])
-    engines = {"default": default, "ours": Engine("ours", model, settings, taps)}
+    # One engine at a time starts (start-up compiles, and would compete for the cores). With
+    # `--repeats 0` only the arms' engines start, to be profiled.
+    engines = {} if profile_only else {"default": Engine("default", model, settings)}
+    engines["ours"] = Engine("ours", model, settings, taps)
     if "cg" in arms:  # a user saving every layer at speed declares them all graph taps
         engines["ours every layer"] = Engine("ours every layer", model, settings,
                                              (taps[0], taps[0]))
@@ -306,7 +314,7 @@ def main() -> None:
 
     def fresh_prompts() -> list[list[int]]:
         # New prompts for every pair: no engine has them in its prefix cache.
-        return [torch.randint(0, default.vocab, (int(length),), generator=generator).tolist()
+        return [torch.randint(0, config.vocab_size, (int(length),), generator=generator).tolist()
                 for length in torch.randint(32, 257, (arguments.requests,), generator=generator)]
 
     def arm_engine_of(arm: str) -> Engine:
@@ -318,7 +326,7 @@ def main() -> None:
                                           arguments.max_tokens)
 
     def run_default(prompts: list[list[int]]) -> float:
-        return default.run("a", prompts, arguments.concurrency, arguments.max_tokens)
+        return engines["default"].run("a", prompts, arguments.concurrency, arguments.max_tokens)
 
     warm = fresh_prompts()
     for engine in engines.values():
@@ -353,23 +361,27 @@ def main() -> None:
                   f"arm {took:6.2f} s, ratio {base / took:.3f}", flush=True)
         publish(repeat + 1, None)
     if arguments.profile:
-        profile_arms(arms, arm_engine_of, default, fresh_prompts, arguments,
+        profile_arms(arms, arm_engine_of, engines.get("default"), fresh_prompts, arguments,
                      Path(arguments.profile))
+    if profile_only:
+        for engine in engines.values():
+            engine.close()
+        return
     forwards = {kind: engine.close() for kind, engine in engines.items()}
     print(publish(arguments.repeats, forwards["ours"]))
     if "ours every layer" in forwards:
         print(f"forwards of ours with every layer a graph tap: {forwards['ours every layer']}")
 
 
-def profile_arms(arms: list[str], engine_of: Callable[[str], Engine], default: Engine,
+def profile_arms(arms: list[str], engine_of: Callable[[str], Engine], default: Engine | None,
                  fresh_prompts: Callable[[], list[list[int]]], arguments: argparse.Namespace,
                  path: Path) -> None:
     """The default engine and each arm once under each profiler (`PROFILERS`), on fresh prompts
     of the timed runs' size, into one report: for finding what makes an arm slower than another
     (e.g. d against b: host work, device work, or a wait)."""
     sections = []
-    for arm in ["default", *arms]:
-        engine = default if arm == "default" else engine_of(arm)
+    for arm in ["default", *arms] if default is not None else arms:
+        engine = default if arm == "default" and default is not None else engine_of(arm)
         for profiler in PROFILERS:
             print(f"profiling {arm} ({profiler})", flush=True)
             report = engine.profile("a" if arm == "default" else arm, fresh_prompts(),

@@ -94,13 +94,16 @@ SUITE_ENGINE: dict[str, object] = ({"enforce_eager": False, **SUITE_TAPS} if SUI
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With the suite's engine compiled (`SUITE_COMPILED`), only the tests that use it run: the
-    others start engines of their own, the same with it or without. A module that sets
-    `EAGER_SUITE_ENGINE = True` uses the suite's engine as the eager one beside compiled engines
-    of its own (test_compiled.py): compiled, it would test nothing more, so it is left out."""
+    others start engines of their own, the same with it or without. Tests marked
+    `first_pass_only` are left out too: those whose engines are their own, eager and compiled
+    alike (the suite's engine only their oracle: test_compiled.py, test_tensor_parallel.py,
+    test_transformers_backend.py), and those whose subject does not change with how the engine
+    runs (a server's vector registry). Compiled they would test nothing more than the first pass
+    and start their processes twice, in a CI run that must stay under 30 minutes."""
     if not SUITE_COMPILED:
         return
     kept = [item for item in items if "llm" in getattr(item, "fixturenames", ())
-            and not getattr(getattr(item, "module", None), "EAGER_SUITE_ENGINE", False)]
+            and item.get_closest_marker("first_pass_only") is None]
     config.hook.pytest_deselected(items=[item for item in items if item not in kept])
     items[:] = kept
 

@@ -25,7 +25,7 @@ from vllm_runner import ops
 
 #: The suite's engine (`llm`) is this module's eager engine, beside compiled engines of its own:
 #: the suite's compiled pass leaves the module out (conftest), its first pass runs it whole.
-EAGER_SUITE_ENGINE = True
+pytestmark = pytest.mark.first_pass_only
 
 # The suite's engine settings (conftest `llm`), compiled: the same steps, so the same rows.
 SETTINGS = {"dtype": "float32", "max_model_len": 128, "max_num_seqs": 8,

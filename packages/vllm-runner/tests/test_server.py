@@ -464,6 +464,7 @@ def test_bad_vectors_are_refused_by_name(server, name: str, body: Any, status: i
     assert "fine" not in _http("GET", f"{server}/v1/interp/vectors")[1]["vectors"]
 
 
+@pytest.mark.first_pass_only  # the vector registry and the key do not change with compilation
 def test_a_restarted_server_keeps_its_vectors_runs_its_default_program_and_checks_its_key(
         model_dir: str, vectors: Path, tmp_path: Path, server, llm) -> None:
     assert _http("PUT", f"{server}/v1/interp/vectors/kept", tensor_to_json(STEER))[0] == 200
@@ -553,6 +554,9 @@ def test_saves_over_the_servers_budget_are_a_507_before_queueing_or_an_error_not
 
 
 @pytest.mark.skipif(torch.cuda.device_count() == 1, reason="tensor parallelism needs two GPUs")
+# A compiled TP=2 engine is checked offline (test_tensor_parallel.py); the server's TP plumbing
+# does not change with compilation.
+@pytest.mark.first_pass_only
 def test_a_tensor_parallel_server_saves_and_steers_as_the_single_process_engine(
         model_dir: str, llm, tmp_path: Path) -> None:
     # Two ranks, each on one core (vLLM's CPU backend asks for the binding under tensor
