@@ -22,7 +22,9 @@ Arms (the issue's): (a) no programs; (e) 10% of requests save one layer's `layer
 saves every layer's `layer_output` (taps); (cg) the same on an engine of ours whose graph taps
 are every layer's (tier 3 at every layer; its own process, started only for this arm); (call)
 a `Call` at one layer on every request (a tap, the Python function run between compiled
-pieces); (untapped) every request saves one layer's `attention_output`, which no tap serves
+pieces); (call1) the same on one request of each wave, so every step with it leaves the full
+graph for the piecewise graphs with almost no Python: what the pieces themselves cost;
+(untapped) every request saves one layer's `attention_output`, which no tap serves
 (tier 1: those steps run eager); (eager) the eager bare engine, no programs.
 
 `--profile PATH` then runs the default engine and each arm once more under cProfile and once
@@ -33,6 +35,7 @@ telling host work from device work when an arm is slower than another.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -42,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,6 +62,7 @@ NAMES = {
     "c": "every request saves every layer's layer_output (taps)",
     "cg": "every request saves every layer's layer_output (graph taps at every layer)",
     "call": "a Call at one layer on every request (tap)",
+    "call1": "a Call at one layer on one request of each wave (tap): the pieces' own cost",
     "untapped": "every request saves one layer's attention_output (no tap: eager steps)",
     "eager": "vLLM's eager engine (enforce_eager=True), no programs",
 }
@@ -93,6 +97,9 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
         return [[ops.Add(f"layers.{middle}.layer_output", vector, scale=0.5)]] * requests
     if arm in ("c", "cg"):
         return [[ops.Save("layers.*.layer_output")]] * requests
+    if arm == "call1":
+        return [[ops.Call(f"layers.{middle}.layer_output", double)] if i == 0 else []
+                for i in range(requests)]
     if arm == "call":
         return [[ops.Call(f"layers.{middle}.layer_output", double)]] * requests
     if arm == "untapped":
@@ -157,18 +164,47 @@ def run_workload(engine: Any, ours: bool, arm: str, prompts: list[list[int]], wi
 def python_profile(workload: Callable[[], None]) -> str:
     """Where the host's time goes while `workload` runs (cProfile; our hooks and vLLM's runner
     both run in this process): the functions with the most time of their own, then the most
-    time under them. With a GPU, waits for the device show as the calls that wait."""
+    time under them. With a GPU, waits for the device show as the calls that wait. The garbage
+    collector's time comes first: cProfile counts it as the own time of whichever function
+    was running when a collection began."""
     import cProfile
     import io
     import pstats
 
     profiler = cProfile.Profile()
-    profiler.runcall(workload)
+    with collector_time() as collections:
+        profiler.runcall(workload)
     report = io.StringIO()
+    report.write(f"garbage collector: {collections['seconds']:.3f} s in "
+                 f"{collections['count']} collections ({collections['oldest']} of the oldest "
+                 "generation)\n")
     stats = pstats.Stats(profiler, stream=report)
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats(45)
     return report.getvalue()
+
+
+@contextlib.contextmanager
+def collector_time() -> Iterator[dict[str, float]]:
+    """How long Python's garbage collector ran inside the block, and how often."""
+    import gc
+
+    spent = {"seconds": 0.0, "count": 0, "oldest": 0}
+    began = [0.0]
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+            return
+        spent["seconds"] += time.perf_counter() - began[0]
+        spent["count"] += 1
+        spent["oldest"] += info["generation"] == 2
+
+    gc.callbacks.append(note)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(note)
 
 
 def device_profile(workload: Callable[[], None]) -> str:

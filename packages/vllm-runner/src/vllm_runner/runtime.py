@@ -165,9 +165,9 @@ class Runtime:
                 elif location not in graph_locations:
                     graph_locations.append(location)
         if graph_locations and rows and slots:
-            self.in_graph = self._buffers.buffers(
-                [self.values[location] for location in graph_locations], rows, slots)
-            self._graph_steps = GraphSteps(self.in_graph, self.locations_of, self.values)
+            # Filled in place: `_graph_steps` plans from this very mapping.
+            self.in_graph.update(self._buffers.buffers(
+                [self.values[location] for location in graph_locations], rows, slots))
             if self.in_graph:
                 logger.info("vllm-runner: %d taps serve Add and Save inside the graph, with "
                             "%.1f MiB of buffers", len(self.in_graph), len(self.in_graph) *
