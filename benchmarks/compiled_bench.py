@@ -29,7 +29,8 @@ graph for the piecewise graphs with almost no Python: what the pieces themselves
 
 `--profile PATH` then runs the default engine and each arm once more under cProfile and once
 under torch's profiler (kernels by device time, the device's busy share of the wall time): for
-telling host work from device work when an arm is slower than another.
+telling host work from device work when an arm is slower than another. With `--repeats 0` only
+our engines start, and the arms are profiled, not timed (one engine start instead of two).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
 def serve_engine(kind: str, model: str, settings: dict[str, Any],
                  taps: tuple[list[str], list[str]], jobs: Any, results: Any) -> None:
     """A child process: one engine (`default`, `eager` or `ours`), then one timed workload per
-    job `(arm, prompts, width, max_tokens)`, its seconds sent back."""
+    job `(arm, prompts, width, max_tokens, profiler)`, its seconds sent back (and, with a
+    profiler of `PROFILERS`, its report)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if kind.startswith("ours"):
