@@ -49,6 +49,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 import torch
 import vllm
 from pairs import timed_pair
+from profiles import python_profile
 from random_models import add_model_arguments, random_checkpoint
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -158,21 +159,13 @@ def profile_arms(arms: list[str], runs: dict[str, Callable[[], object]], path: P
     """Where each arm's time goes (cProfile, in-process engine: our hooks included), for finding
     what a slow arm spends its time on; with a GPU, waits for the device show as the calls that
     wait (`.cpu()`, `.item()`, `.tolist()`)."""
-    import cProfile
-    import io
-    import pstats
-
-    report = io.StringIO()
+    sections = []
     for arm in arms:
-        run = runs[arm]
-        profiler = cProfile.Profile()
         start = time.perf_counter()
-        profiler.runcall(run)
-        report.write(f"\n### arm {arm}: {time.perf_counter() - start:.2f} s under cProfile\n")
-        stats = pstats.Stats(profiler, stream=report)
-        stats.sort_stats("tottime").print_stats(25)
-        stats.sort_stats("cumulative").print_stats(35)
-    path.write_text(report.getvalue())
+        found = python_profile(runs[arm])
+        sections.append(f"\n### arm {arm}: {time.perf_counter() - start:.2f} s under cProfile\n"
+                        f"{found}")
+    path.write_text("".join(sections))
     print(f"profile written to {path}")
 
 

@@ -1,0 +1,86 @@
+"""Where a benchmark's time goes: one workload under cProfile (with the garbage collector's
+time) or under torch's profiler (kernels, host ops, the device's busy share). Shared by the
+benchmarks that profile their arms (`compiled_bench.py --profile`, `vllm_runner_bench.py
+--profile`)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+
+def python_profile(workload: Callable[[], object]) -> str:
+    """Where the host's time goes while `workload` runs (cProfile; our hooks and vLLM's runner
+    both run in this process): the functions with the most time of their own, then the most
+    time under them. With a GPU, waits for the device show as the calls that wait. The garbage
+    collector's time comes first: cProfile counts it as the own time of whichever function
+    was running when a collection began."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    with collector_time() as collections:
+        profiler.runcall(workload)
+    report = io.StringIO()
+    report.write(f"garbage collector: {collections['seconds']:.3f} s in "
+                 f"{collections['count']} collections ({collections['oldest']} of the oldest "
+                 "generation)\n")
+    stats = pstats.Stats(profiler, stream=report)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    return report.getvalue()
+
+
+@contextlib.contextmanager
+def collector_time() -> Iterator[dict[str, float]]:
+    """How long Python's garbage collector ran inside the block, and how often."""
+    import gc
+
+    spent = {"seconds": 0.0, "count": 0, "oldest": 0}
+    began = [0.0]
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+            return
+        spent["seconds"] += time.perf_counter() - began[0]
+        spent["count"] += 1
+        spent["oldest"] += info["generation"] == 2
+
+    gc.callbacks.append(note)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(note)
+
+
+def device_profile(workload: Callable[[], object]) -> str:
+    """What the device ran while `workload` ran (torch's profiler): kernels by device time, and
+    host-side torch calls by their own time; the device's busy share of the wall time says
+    whether the host or the device is the limit."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with profile(activities=activities) as recorded:
+        workload()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    averages = recorded.key_averages()
+    device_us = sum(event.self_device_time_total for event in averages)
+    return (f"wall {wall:.2f} s under the profiler; device busy {device_us / 1e6:.2f} s "
+            f"({device_us / 1e6 / wall:.0%} of wall)\n\n"
+            + averages.table(sort_by="self_device_time_total", row_limit=25,
+                             max_name_column_width=70)
+            + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30,
+                                     max_name_column_width=70))
+
+
+PROFILERS: dict[str, Callable[[Callable[[], object]], str]] = {
+    "python": python_profile, "device": device_profile}
