@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--arms", default="none,save,steer,save every layer")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each arm's costliest functions per step (cProfile)")
     parser.add_argument("--shape", default="thin-30",
                         help="a shape of random_models.SHAPES (default: 30 layers, as SmolLM2's)")
     arguments = parser.parse_args()
@@ -100,11 +102,24 @@ def main() -> None:
     # (Saving at plain taps needs the forward: without one, their programs fail as never served.)
     for arm in arguments.arms.split(","):
         runs = [one_run(arm) for _ in range(arguments.repeats + 1)][1:]  # the first warms up
+        if arguments.profile:
+            print_profile(arm, one_run)
         # The fastest repeat is the least disturbed by this machine's other load (±50% here).
         step, collect = (min(run[index] for run in runs) * 1e6 for index in (0, 1))
         median = statistics.median(run[0] for run in runs) * 1e6
         print(f"{arm:>16}: {step:8.0f} µs a step of {count} decodes (median {median:.0f}), "
               f"collection {collect:6.0f} µs a request", flush=True)
+
+
+def print_profile(arm: str, one_run: Any) -> None:
+    """`arm`'s steps once more under cProfile: the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(one_run, arm)
+    print(f"--- {arm}: cProfile of one run (steps and collection)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
