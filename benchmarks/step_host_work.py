@@ -4,7 +4,8 @@ On a GPU the compiled engine is host-bound for small models (~3 ms a step for 64
 SmolLM2-135M on the H200), so every microsecond of Python a step with programs adds costs
 throughput one for one. A whole generate on this CPU is too noisy (±20% run to run) to see
 tens of microseconds, so this times only what the V2 adapter and the runtime do per step —
-`vllm_v2_runner.scheduled_step`, the CUDA-graph choice's checks, `Runtime.begin_step` and
+`vllm_v2_runner.scheduled_step` (with the adapter's `RepeatedSchedule`), the CUDA-graph
+choice's checks, `Runtime.begin_step` and
 `end_step` — on decode steps of N requests, with the runtime of a real (tiny, in-process)
 engine, and the collection of their saves at the end:
 
@@ -61,6 +62,7 @@ def main() -> None:
     from random_models import SHAPES, random_checkpoint
     from vllm_runner import LLM
     from vllm_runner.program import encode, encode_ops, program_digest
+    from vllm_runner.repeated_schedule import RepeatedSchedule
     from vllm_runner.runtime import finished_request
     from vllm_runner.vllm_v2_runner import scheduled_step
 
@@ -81,12 +83,13 @@ def main() -> None:
         programs = {} if not ops else {
             request: (encode(f"program-{request}", data, digest), prompt) for request in ids}
         offsets = np.arange(count + 1, dtype=np.int32)
+        repeated = RepeatedSchedule()  # as the adapter keeps it: decode steps reuse the list
         started = time.perf_counter()
         for step in range(arguments.steps):
             batch = SimpleNamespace(req_ids=ids, num_reqs=count, query_start_loc_np=offsets,
                                     num_computed_tokens_np=np.full(count, prompt + step),
                                     num_tokens_after_padding=count)
-            layout, scheduled = scheduled_step(runtime, programs, batch)
+            layout, scheduled = scheduled_step(runtime, programs, batch, repeated)
             travelling = [kept[0] for kept in programs.values()]
             runtime.needs_module_tree_for(travelling)
             runtime.needs_tap_python_for(travelling)

@@ -68,10 +68,14 @@ def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
     found = {}
     for path in ("general", "per program"):
         (taps, values), store = graph_taps(), SaveStore()
+        graph_steps = GraphSteps(taps, lambda op: list(op.patterns()), values)
+        # One list for every step, as the adapters reuse it (`repeated_schedule`): the later
+        # steps take the first one's plan with their own positions.
+        requests = [ScheduledRequest(key, Program(f"p-{key}", name, PROGRAMS[name]), 100)
+                    for key, name in zip(layout_of(counts, firsts).keys, names, strict=True)
+                    if name is not None]
         for repeat in range(repeats):  # steps whose positions follow on
             layout = layout_of(counts, [first + repeat * 6 for first in firsts])
-            requests = [ScheduledRequest(key, Program(f"p-{key}", name, PROGRAMS[name]), 100)
-                        for key, name in zip(layout.keys, names, strict=True) if name is not None]
             if path == "general":
                 wants = plan_step(layout, requests, lambda op: list(op.patterns())).tokens.wants
                 for location, rows in taps.items():
@@ -80,8 +84,7 @@ def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
                                                  rows.steer.vectors))
                     rows.saves.take(groups, store.failed, values[location], store)
             else:
-                planned = GraphSteps(taps, lambda op: list(op.patterns()), values).plan(
-                    layout, requests)
+                planned = graph_steps.plan(layout, requests)
                 assert planned is not None
                 for steering in planned.steering:
                     steering.rows.steer.write(steering.vectors, steering.index)

@@ -14,6 +14,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
 from vllm_runner import vllm_v2_runner
 from vllm_runner.program import EXTRA_ARGS_KEY, Program
+from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.step_plan import NO_ROWS
 from vllm_runner.vllm_v2_runner import RunnerV2Mixin, scheduled_step, step_graph
 
@@ -32,6 +33,10 @@ class FakeRuntime:
         self.steps: list[tuple] = []
         self.ended = 0
         self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0}
+        self.store = SimpleNamespace(any_failed=False)
+
+    def note_edits(self) -> None:
+        pass
 
     def count_forward(self, compiled: bool, programs: bool) -> None:
         self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
@@ -132,6 +137,7 @@ def runner(editing: bool, **runtime: bool) -> Runner:
     made.interp_compiles = made.interp.compiled  # type: ignore[attr-defined]
     made.interp_written, made.interp_editing = WrittenBlocks(), set()
     made.interp_programs, made.interp_in_step, made.interp_module_tree = {}, False, False
+    made.interp_repeated = RepeatedSchedule()
     zeroed: list[list[int]] = []
     made._interp_zero_blocks = lambda ids: (zeroed.append(ids), made.calls.append("zero"))  # type: ignore[method-assign]
     made.zeroed = zeroed  # type: ignore[attr-defined]

@@ -44,6 +44,10 @@ class Steering:
     index: np.ndarray
 
 
+#: Per set of taps saved at together, the saving requests' program ids and rows in the step.
+SavingRows = list[tuple[list[SaveRing], list[tuple[str, int]]]]
+
+
 @dataclass(frozen=True)
 class GraphStep:
     """A step's work at the graph taps: the steering to write before the forward, and after
@@ -64,6 +68,9 @@ class GraphSteps:
         self._locations_of = locations_of
         self._values = values
         self._work: dict[str, dict[str, GraphWork] | None] = {}  # by digest
+        # The last plan, for the next step with the very same requests and rows (`plan`).
+        self._last: tuple[Sequence[ScheduledRequest], tuple[int, ...], list[Steering],
+                          SavingRows] | None = None
 
     def work(self, program: Program) -> dict[str, GraphWork] | None:
         """What `program` does at each graph tap, or `None` if some of its work needs the
@@ -99,7 +106,30 @@ class GraphSteps:
     def plan(self, layout: StepLayout, requests: Sequence[ScheduledRequest]
              ) -> GraphStep | None:
         """Each graph tap's work this step, if every request's program runs inside the graph
-        alone; else `None` (the general plan serves the step)."""
+        alone; else `None` (the general plan serves the step).
+
+        A step given the very list of requests the last one was (`repeated_schedule`: the same
+        requests in the same order) with the same row counts — a run of decode steps — has the
+        same steering and the same saving rows; only their positions move on."""
+        last = self._last
+        if last is not None and requests is last[0] and layout.counts == last[1]:
+            steering, saving = last[2], last[3]
+        else:
+            planned = self._planned(layout, requests)
+            if planned is None:
+                return None
+            steering, saving = planned
+            self._last = (requests, layout.counts, steering, saving)
+        starts, counts, firsts = layout.starts, layout.counts, layout.first_positions
+        return GraphStep(steering, [
+            (taps, [(program_id, starts[row], counts[row], firsts[row])
+                    for program_id, row in rows])
+            for taps, rows in saving])
+
+    def _planned(self, layout: StepLayout, requests: Sequence[ScheduledRequest]
+                 ) -> tuple[list[Steering], SavingRows] | None:
+        """`plan`'s steering and saving rows; `None` if some program's work needs more than
+        the graph."""
         works: dict[str, dict[str, GraphWork]] = {}
         for request in requests:
             digest = request.program.digest
@@ -121,11 +151,9 @@ class GraphSteps:
                 steering.append(steered)
             if saving := frozenset(digest for digest, work in at.items() if work.saves):
                 rings.setdefault(saving, []).append(rows.saves)
-        starts, counts, firsts = layout.starts, layout.counts, layout.first_positions
-        return GraphStep(steering, [
-            (taps, [(program_id, starts[row], counts[row], firsts[row])
-                    for digest, program_id, row in places if digest in saving])
-            for saving, taps in rings.items()])
+        return steering, [
+            (taps, [(program_id, row) for digest, program_id, row in places if digest in saving])
+            for saving, taps in rings.items()]
 
     @staticmethod
     def _steering(rows: InGraphRows, at: dict[str, GraphWork],

@@ -272,6 +272,12 @@ class Runtime:
             return None
         return program
 
+    def note_edits(self) -> None:
+        """Mark this step as running a program that edits, as `program` does for each request
+        it finds (for a step whose requests were found at an earlier step:
+        `repeated_schedule`)."""
+        self._edited_in_step = True
+
     def edits(self, data: ProgramData) -> bool:
         """Whether a program may change the engine's values (see `Program.edits`); one that
         does not decode is counted as editing, to be safe."""

@@ -35,6 +35,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
 from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
 from vllm_runner.program import ProgramData, program_data
+from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
@@ -46,23 +47,28 @@ def _extra_args(state: Any) -> dict[str, Any] | None:
     return params.extra_args if params is not None else None
 
 
-def scheduled_step(runtime: Runtime, runner: Any,
-                   positions: torch.Tensor) -> tuple[StepLayout, list[ScheduledRequest]]:
-    """This step's layout and its requests that run a program, in step order (no layout is
-    built for a step without programs)."""
+def scheduled_step(runtime: Runtime, runner: Any, positions: torch.Tensor,
+                   repeated: RepeatedSchedule | None = None
+                   ) -> tuple[StepLayout, list[ScheduledRequest]]:
+    """This step's layout and its requests that run a program, in step order (the last step's
+    list where `repeated` has it; no layout is built for a step without programs)."""
     batch = runner.input_batch
     count = batch.num_reqs
     request_ids = batch.req_ids[:count]
-    scheduled = []
-    for request_id in request_ids:
-        state = runner.requests.get(request_id)
-        data = program_data(_extra_args(state))
-        if data is None:
-            continue
-        prompt_length = len(state.prompt_token_ids)
-        program = runtime.program(data, prompt_length)
-        if program is not None:
-            scheduled.append(ScheduledRequest(request_id, program, prompt_length))
+    states: list[Any] = [runner.requests.get(request_id) for request_id in request_ids]
+    scheduled = None if repeated is None else repeated.reused(runtime, request_ids, states)
+    if scheduled is None:
+        scheduled = []
+        for request_id, state in zip(request_ids, states, strict=True):
+            data = program_data(_extra_args(state))
+            if data is None:
+                continue
+            prompt_length = len(state.prompt_token_ids)
+            program = runtime.program(data, prompt_length)
+            if program is not None:
+                scheduled.append(ScheduledRequest(request_id, program, prompt_length))
+        if repeated is not None:
+            repeated.keep(request_ids, states, scheduled)
     if not scheduled:
         return NO_ROWS, scheduled
     offsets = runner.query_start_loc.np[: count + 1]
@@ -103,10 +109,12 @@ class RunnerMixin:
     interp_compiles: bool  # whether vLLM compiled the model (`runtime_loading.compiles`)
     interp_written: WrittenBlocks
     interp_editing: set[str]
+    interp_repeated: RepeatedSchedule
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)  # type: ignore[misc]
         load_runtime(self)
+        self.interp_repeated = RepeatedSchedule()
         return result
 
     def _update_states(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -170,7 +178,7 @@ class RunnerMixin:
     def _model_forward(self, input_ids: Any = None, positions: Any = None,
                        intermediate_tensors: Any = None, inputs_embeds: Any = None,
                        **model_kwargs: Any) -> Any:
-        layout, scheduled = scheduled_step(self.interp, self, positions)
+        layout, scheduled = scheduled_step(self.interp, self, positions, self.interp_repeated)
         context = get_forward_context()
         if scheduled and self.interp.compiled and self.interp.needs_module_tree(
                 [request.program for request in scheduled]):

@@ -37,6 +37,7 @@ from vllm.forward_context import get_forward_context
 
 from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
 from vllm_runner.program import ProgramData, program_data
+from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
@@ -47,20 +48,27 @@ from vllm_runner.vllm_v1_runner import blocks_of, handed_out_blocks
 Kept = tuple[ProgramData, int]
 
 
-def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept],
-                   batch: Any) -> tuple[StepLayout, list[ScheduledRequest]]:
+def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept], batch: Any,
+                   repeated: RepeatedSchedule | None = None
+                   ) -> tuple[StepLayout, list[ScheduledRequest]]:
     """This step's layout from V2's `InputBatch` (plain host attributes only) and its requests
-    that run a program, in the step's order; no layout is built for a step without programs."""
+    that run a program, in the step's order (the last step's list where `repeated` has it); no
+    layout is built for a step without programs."""
     if not programs:  # no running request has a program: nothing to look up per request
         return NO_ROWS, []
     count = int(batch.num_reqs)
     request_ids = list(batch.req_ids[:count])
-    scheduled = []
-    program_of, kept_of = runtime.program, programs.get  # per request per step: kept lean
-    for request_id in request_ids:
-        kept = kept_of(request_id)
-        if kept is not None and (program := program_of(*kept)) is not None:
-            scheduled.append(ScheduledRequest(request_id, program, kept[1]))
+    kept_of = programs.get
+    each_kept: list[Any] = [kept_of(request_id) for request_id in request_ids]
+    scheduled = None if repeated is None else repeated.reused(runtime, request_ids, each_kept)
+    if scheduled is None:
+        scheduled = []
+        program_of = runtime.program  # per request per step: kept lean
+        for request_id, kept in zip(request_ids, each_kept, strict=True):
+            if kept is not None and (program := program_of(*kept)) is not None:
+                scheduled.append(ScheduledRequest(request_id, program, kept[1]))
+        if repeated is not None:
+            repeated.keep(request_ids, each_kept, scheduled)
     if not scheduled:
         return NO_ROWS, scheduled
     layout = StepLayout.from_offsets(request_ids, batch.query_start_loc_np[: count + 1],
@@ -103,6 +111,7 @@ class RunnerV2Mixin:
     interp_written: WrittenBlocks
     interp_editing: set[str]
     interp_programs: dict[str, Kept]
+    interp_repeated: RepeatedSchedule
     interp_in_step: bool
     interp_module_tree: bool  # this step runs the plain module tree (`step_graph`)
 
@@ -110,6 +119,7 @@ class RunnerV2Mixin:
         result = super().load_model(*args, **kwargs)  # type: ignore[misc]
         load_runtime(self)
         self.interp_programs = {}  # V2 keeps no SamplingParams: the programs are kept here
+        self.interp_repeated = RepeatedSchedule()
         self.interp_in_step = self.interp_module_tree = False
         if self.interp_compiles:
             self.get_model().register_forward_pre_hook(  # type: ignore[attr-defined]
@@ -182,7 +192,8 @@ class RunnerV2Mixin:
         """V2's inputs of one real batch, then the step's plan (its signature differs between
         releases: everything passes through)."""
         batch = super().prepare_inputs(*args, **kwargs)  # type: ignore[misc]
-        layout, scheduled = scheduled_step(self.interp, self.interp_programs, batch)
+        layout, scheduled = scheduled_step(self.interp, self.interp_programs, batch,
+                                           self.interp_repeated)
         self.interp.begin_step(layout, scheduled)
         self.interp.count_forward(compiled=self.interp_compiles and not self.interp_module_tree,
                                   programs=bool(scheduled))
