@@ -27,7 +27,9 @@ graph for the piecewise graphs with almost no Python: what the pieces themselves
 (untapped) every request saves one layer's `attention_output`, which no tap serves
 (tier 1: those steps run eager); (eager) the eager bare engine, no programs; (twin) vLLM's
 default engine once more, in a process of its own: an A/A control, whose ratio would be 1.0
-with a method free of bias (a ratio of ours inside the twin's spread is no cost we can show).
+with a method free of bias (a ratio of ours inside the twin's spread is no cost we can show);
+(bare) our `LLM` with no taps declared and no programs: against (a), what declaring taps costs
+steps without programs (the taps split the piecewise graphs that prefill and mixed steps run).
 
 `--profile PATH` then runs the default engine and each arm once more under cProfile and once
 under torch's profiler (kernels by device time, the device's busy share of the wall time): for
@@ -69,7 +71,10 @@ NAMES = {
     "untapped": "every request saves one layer's attention_output (no tap: eager steps)",
     "eager": "vLLM's eager engine (enforce_eager=True), no programs",
     "twin": "vLLM's default engine again, in a process of its own (A/A control)",
+    "bare": "our LLM with no taps declared, no programs",
 }
+# Arms with an engine of their own: the rest run on `ours` (every layer tapped).
+OWN_ENGINE = {"cg", "eager", "twin", "bare"}
 # The issue's targets on a GPU (ratio to the default engine); on the CPU only (a) has one.
 GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "cg": 0.5, "call": 0.6}
 CPU_TARGETS = {"a": 0.98}
@@ -90,7 +95,7 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
 
     middle = layers // 2
     one = [ops.Save(f"layers.{middle}.layer_output")]
-    if arm == "a":
+    if arm in ("a", "bare"):
         return None
     if arm == "e":
         return [one if i % 10 == 0 else [] for i in range(requests)]
@@ -118,11 +123,14 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     profiler of `PROFILERS`, its report)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if kind.startswith("ours"):
+    if kind == "ours bare":  # what a user who declares no taps runs
         from vllm_runner import LLM
 
-        engine: Any = LLM(model, enforce_eager=False, taps=taps[0], graph_taps=taps[1],
-                          **settings)
+        engine: Any = LLM(model, enforce_eager=False, **settings)
+    elif kind.startswith("ours"):
+        from vllm_runner import LLM
+
+        engine = LLM(model, enforce_eager=False, taps=taps[0], graph_taps=taps[1], **settings)
     else:
         import vllm
 
@@ -269,7 +277,7 @@ def main() -> None:
     # One engine at a time starts (start-up compiles, and would compete for the cores). With
     # `--repeats 0` only the arms' engines start, to be profiled.
     engines = {} if profile_only else {"default": Engine("default", model, settings)}
-    if set(arms) - {"cg", "eager", "twin"}:
+    if set(arms) - OWN_ENGINE:
         engines["ours"] = Engine("ours", model, settings, taps)
     if "cg" in arms:  # a user saving every layer at speed declares them all graph taps
         engines["ours every layer"] = Engine("ours every layer", model, settings,
@@ -278,6 +286,8 @@ def main() -> None:
         engines["eager"] = Engine("eager", model, settings)
     if "twin" in arms:  # the method's own bias: the same engine, another process
         engines["twin"] = Engine("default twin", model, settings)
+    if "bare" in arms:  # what declaring taps costs steps without programs (prefill pieces)
+        engines["bare"] = Engine("ours bare", model, settings)
     generator = torch.Generator().manual_seed(0)
 
     def fresh_prompts() -> list[list[int]]:
@@ -286,8 +296,8 @@ def main() -> None:
                 for length in torch.randint(32, 257, (arguments.requests,), generator=generator)]
 
     def arm_engine_of(arm: str) -> Engine:
-        return engines[{"eager": "eager", "cg": "ours every layer", "twin": "twin"}.get(arm,
-                                                                                      "ours")]
+        return engines[{"eager": "eager", "cg": "ours every layer", "twin": "twin",
+                        "bare": "bare"}.get(arm, "ours")]
 
     def arm_engine(arm: str) -> Callable[[list[list[int]]], float]:
         engine = arm_engine_of(arm)
@@ -403,7 +413,7 @@ def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, lis
         lines.append(f"| {arm} | {NAMES[arm]} | {statistics.median(seconds[arm]):.2f} | "
                      f"{ratio:.3f} | {min(ratios[arm]):.3f}-{max(ratios[arm]):.3f} | "
                      f"{verdict} |")
-    lines += [] if not set(arms) - {"cg", "eager", "twin"} else [
+    lines += [] if not set(arms) - OWN_ENGINE else [
         "",
         "Our engine's forwards over the whole run, by path (`LLM.forwards()`): "
         f"{forwards if forwards is not None else 'not collected (the run stopped early)'}. "
