@@ -124,4 +124,12 @@ def test_a_failing_op_fails_only_its_request_and_the_engine_keeps_serving(llm, r
     assert outputs[1].error is None and "layers.0.layer_output" in outputs[1].saved
     assert list(outputs[1].outputs[0].token_ids) == steered_greedy(reference, PROMPTS[1],
                                                                     GENERATED, None)
+    # Every position of the other request saved, also at the steps after its neighbour failed
+    # (a failure makes the adapter find each request's program again: `repeated_schedule`).
+    sequence = PROMPTS[1] + list(outputs[1].outputs[0].token_ids)[:-1]
+    with torch.no_grad():
+        expected = reference(torch.tensor([sequence]), output_hidden_states=True).hidden_states[1]
+    saved = outputs[1].saved["layers.0.layer_output"]
+    assert saved.shape == expected.shape
+    assert (saved - expected).abs().max() / expected.abs().max() <= 1e-4
     assert generate(llm, PROMPTS[0]) == steered_greedy(reference, PROMPTS[0], GENERATED, None)
