@@ -73,8 +73,9 @@ NAMES = {
     "twin": "vLLM's default engine again, in a process of its own (A/A control)",
     "bare": "our LLM with no taps declared, no programs",
 }
-# Arms with an engine of their own: the rest run on `ours` (every layer tapped).
-OWN_ENGINE = {"cg", "eager", "twin", "bare"}
+# Arms with an engine of their own, by the engine's name: the rest run on `ours` (every layer
+# tapped).
+OWN_ENGINE = {"cg": "ours every layer", "eager": "eager", "twin": "twin", "bare": "bare"}
 # The issue's targets on a GPU (ratio to the default engine); on the CPU only (a) has one.
 GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "cg": 0.5, "call": 0.6}
 CPU_TARGETS = {"a": 0.98}
@@ -123,14 +124,12 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     profiler of `PROFILERS`, its report)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if kind == "ours bare":  # what a user who declares no taps runs
+    if kind.startswith("ours"):
         from vllm_runner import LLM
 
-        engine: Any = LLM(model, enforce_eager=False, **settings)
-    elif kind.startswith("ours"):
-        from vllm_runner import LLM
-
-        engine = LLM(model, enforce_eager=False, taps=taps[0], graph_taps=taps[1], **settings)
+        # "ours bare" is what a user who declares no taps runs.
+        tapped = {} if kind == "ours bare" else {"taps": taps[0], "graph_taps": taps[1]}
+        engine: Any = LLM(model, enforce_eager=False, **tapped, **settings)
     else:
         import vllm
 
@@ -277,7 +276,7 @@ def main() -> None:
     # One engine at a time starts (start-up compiles, and would compete for the cores). With
     # `--repeats 0` only the arms' engines start, to be profiled.
     engines = {} if profile_only else {"default": Engine("default", model, settings)}
-    if set(arms) - OWN_ENGINE:
+    if set(arms) - OWN_ENGINE.keys():
         engines["ours"] = Engine("ours", model, settings, taps)
     if "cg" in arms:  # a user saving every layer at speed declares them all graph taps
         engines["ours every layer"] = Engine("ours every layer", model, settings,
@@ -296,8 +295,7 @@ def main() -> None:
                 for length in torch.randint(32, 257, (arguments.requests,), generator=generator)]
 
     def arm_engine_of(arm: str) -> Engine:
-        return engines[{"eager": "eager", "cg": "ours every layer", "twin": "twin",
-                        "bare": "bare"}.get(arm, "ours")]
+        return engines[OWN_ENGINE.get(arm, "ours")]
 
     def arm_engine(arm: str) -> Callable[[list[list[int]]], float]:
         engine = arm_engine_of(arm)
@@ -413,7 +411,7 @@ def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, lis
         lines.append(f"| {arm} | {NAMES[arm]} | {statistics.median(seconds[arm]):.2f} | "
                      f"{ratio:.3f} | {min(ratios[arm]):.3f}-{max(ratios[arm]):.3f} | "
                      f"{verdict} |")
-    lines += [] if not set(arms) - OWN_ENGINE else [
+    lines += [] if not set(arms) - OWN_ENGINE.keys() else [
         "",
         "Our engine's forwards over the whole run, by path (`LLM.forwards()`): "
         f"{forwards if forwards is not None else 'not collected (the run stopped early)'}. "

@@ -1,7 +1,7 @@
 """Where a benchmark's time goes: one workload under cProfile (with the garbage collector's
 time) or under torch's profiler (kernels, host ops, the device's busy share). Shared by the
 benchmarks that profile their arms (`compiled_bench.py --profile`, `vllm_runner_bench.py
---profile`)."""
+--profile`, `step_host_work.py --profile`)."""
 
 from __future__ import annotations
 

@@ -115,14 +115,11 @@ def main() -> None:
 
 
 def print_profile(arm: str, one_run: Any) -> None:
-    """`arm`'s steps once more under cProfile: the functions with the most own time."""
-    import cProfile
-    import pstats
+    """`arm`'s steps once more under cProfile (`profiles.python_profile`)."""
+    from profiles import python_profile
 
-    profiler = cProfile.Profile()
-    profiler.runcall(one_run, arm)
     print(f"--- {arm}: cProfile of one run (steps and collection)")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    print(python_profile(lambda: one_run(arm)))
 
 
 if __name__ == "__main__":

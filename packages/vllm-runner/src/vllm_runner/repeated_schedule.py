@@ -13,7 +13,7 @@ change from step to step and are not part of what is reused: the adapters build 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from vllm_runner.step_plan import ScheduledRequest
@@ -33,22 +33,19 @@ class RepeatedSchedule:
         self._scheduled: list[ScheduledRequest] = []
         self._edits = False
 
-    def reused(self, runtime: Runtime, request_ids: Sequence[str],
-               kept: list[object]) -> list[ScheduledRequest] | None:
-        """The last step's list if this step schedules the same `request_ids` (in order), each
-        with the same `kept` object, and no program has failed; else `None`. A reused list whose
-        programs edit marks the step as editing, as `Runtime.program` would."""
-        if (runtime.store.any_failed or len(kept) != len(self._kept)
-                or [id(item) for item in kept] != self._kept_ids
-                or list(request_ids) != self._request_ids):
-            return None
-        if self._edits:
-            runtime.note_edits()
-        return self._scheduled
-
-    def keep(self, request_ids: Sequence[str], kept: list[object],
-             scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """Remember this step's list (made request by request) for the next step; returns it."""
+    def requests(self, runtime: Runtime, request_ids: Sequence[str], kept: list[object],
+                 find: Callable[[], list[ScheduledRequest]]) -> list[ScheduledRequest]:
+        """This step's requests with programs: the last step's list if this step schedules the
+        same `request_ids` (in order), each with the same `kept` object, and no program has
+        failed; else what `find` makes request by request, remembered for the next step. A
+        reused list whose programs edit marks the step as editing, as `Runtime.program` would
+        have."""
+        if (not runtime.store.any_failed and [id(item) for item in kept] == self._kept_ids
+                and list(request_ids) == self._request_ids):
+            if self._edits:
+                runtime.note_edits()
+            return self._scheduled
+        scheduled = find()
         self._request_ids, self._kept, self._scheduled = list(request_ids), kept, scheduled
         self._kept_ids = [id(item) for item in kept]
         self._edits = any(request.program.edits for request in scheduled)

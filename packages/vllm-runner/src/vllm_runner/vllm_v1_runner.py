@@ -56,9 +56,9 @@ def scheduled_step(runtime: Runtime, runner: Any, positions: torch.Tensor,
     count = batch.num_reqs
     request_ids = batch.req_ids[:count]
     states: list[Any] = [runner.requests.get(request_id) for request_id in request_ids]
-    scheduled = None if repeated is None else repeated.reused(runtime, request_ids, states)
-    if scheduled is None:
-        scheduled = []
+
+    def find() -> list[ScheduledRequest]:
+        found = []
         for request_id, state in zip(request_ids, states, strict=True):
             data = program_data(_extra_args(state))
             if data is None:
@@ -66,9 +66,11 @@ def scheduled_step(runtime: Runtime, runner: Any, positions: torch.Tensor,
             prompt_length = len(state.prompt_token_ids)
             program = runtime.program(data, prompt_length)
             if program is not None:
-                scheduled.append(ScheduledRequest(request_id, program, prompt_length))
-        if repeated is not None:
-            repeated.keep(request_ids, states, scheduled)
+                found.append(ScheduledRequest(request_id, program, prompt_length))
+        return found
+
+    scheduled = (find() if repeated is None
+                 else repeated.requests(runtime, request_ids, states, find))
     if not scheduled:
         return NO_ROWS, scheduled
     offsets = runner.query_start_loc.np[: count + 1]

@@ -60,15 +60,17 @@ def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept], batch: Any,
     request_ids = list(batch.req_ids[:count])
     kept_of = programs.get
     each_kept: list[Any] = [kept_of(request_id) for request_id in request_ids]
-    scheduled = None if repeated is None else repeated.reused(runtime, request_ids, each_kept)
-    if scheduled is None:
-        scheduled = []
+
+    def find() -> list[ScheduledRequest]:
+        found = []
         program_of = runtime.program  # per request per step: kept lean
         for request_id, kept in zip(request_ids, each_kept, strict=True):
             if kept is not None and (program := program_of(*kept)) is not None:
-                scheduled.append(ScheduledRequest(request_id, program, kept[1]))
-        if repeated is not None:
-            repeated.keep(request_ids, each_kept, scheduled)
+                found.append(ScheduledRequest(request_id, program, kept[1]))
+        return found
+
+    scheduled = (find() if repeated is None
+                 else repeated.requests(runtime, request_ids, each_kept, find))
     if not scheduled:
         return NO_ROWS, scheduled
     layout = StepLayout.from_offsets(request_ids, batch.query_start_loc_np[: count + 1],
