@@ -189,3 +189,42 @@ def test_a_failed_prompt_in_extract_is_one_line_and_exit_1(monkeypatch, tmp_path
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "vllm-interp extract: prompt 0 ('hi'): save at layers.0.layer_output: positions [-50] "
         "are before the start")
+
+
+@pytest.mark.parametrize("hiding", [UnboundLocalError, ValueError])
+def test_ctrl_c_hidden_by_an_error_in_cleanup_is_still_one_line_and_exit_130(
+        monkeypatch, tmp_path, capsys, hiding: type[Exception]) -> None:
+    # vLLM 0.32's tokenizer pool, interrupted between `try:` and taking a tokenizer, fails in
+    # its `finally` and raises UnboundLocalError with the KeyboardInterrupt as its context.
+    from vllm_runner import cli
+
+    def interrupted_in_cleanup(parser, arguments):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise hiding("cannot access local variable 'tok'")
+
+    monkeypatch.setattr(cli, "_run", interrupted_in_cleanup)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    code = cli.main(["extract", "--prompts", str(prompts), "--save", "layers.0.layer_output",
+                     "--out", str(tmp_path / "out")])
+    assert code == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "vllm-interp extract: interrupted. Run the same command again to resume: finished "
+        "shards are kept."]
+
+
+def test_an_error_not_raised_during_ctrl_c_is_not_called_an_interruption(monkeypatch,
+                                                                          tmp_path) -> None:
+    from vllm_runner import cli
+
+    def fails(parser, arguments):
+        raise UnboundLocalError("a bug of ours")
+
+    monkeypatch.setattr(cli, "_run", fails)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    with pytest.raises(UnboundLocalError, match="a bug of ours"):
+        cli.main(["extract", "--prompts", str(prompts), "--save", "layers.0.layer_output",
+                  "--out", str(tmp_path / "out")])

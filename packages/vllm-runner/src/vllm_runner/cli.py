@@ -215,16 +215,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(parser, arguments)
     except KeyboardInterrupt:
-        again = (" Run the same command again to resume: finished shards are kept."
-                 if arguments.command == "extract" else "")
-        print(f"vllm-interp {arguments.command}: interrupted.{again}", file=sys.stderr)
-        return 130
+        return _interrupted(arguments.command)
     except (InterpError, ValueError, OSError) as error:
+        if _raised_while_interrupting(error):
+            return _interrupted(arguments.command)
         if arguments.verbose:
             raise  # the whole traceback, for a bug report
         message = str(error).strip() or type(error).__name__
         print(f"vllm-interp {arguments.command}: {message}", file=sys.stderr)
         return 2 if isinstance(error, LocationError) else 1
+    except Exception as error:
+        if _raised_while_interrupting(error):
+            return _interrupted(arguments.command)
+        raise
+
+
+def _interrupted(command: str) -> int:
+    """Say in one line that Ctrl-C stopped `command` (and how to resume an extraction); 130 is
+    the shell's code for a process ended by SIGINT."""
+    again = (" Run the same command again to resume: finished shards are kept."
+             if command == "extract" else "")
+    print(f"vllm-interp {command}: interrupted.{again}", file=sys.stderr)
+    return 130
+
+
+def _raised_while_interrupting(error: BaseException) -> bool:
+    """Whether `error` was raised while a `KeyboardInterrupt` was being handled, and so hides it.
+
+    Code that cleans up in a `finally` can fail when Ctrl-C lands at the wrong instruction:
+    vLLM 0.32's tokenizer pool (`vllm/tokenizers/hf.py`) then puts back a tokenizer it never got
+    and raises `UnboundLocalError`, seen in CI when Ctrl-C reached `extract` as it added
+    requests. The user pressed Ctrl-C; they should see
+    the one-line interruption, not that traceback."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _run(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> int:
