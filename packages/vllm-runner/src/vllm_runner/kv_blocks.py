@@ -54,6 +54,8 @@ def zero_blocks(kv_caches: list[torch.Tensor], num_blocks: int, block_ids: list[
     leading axes that has `num_blocks` entries (`[blocks, ...]` or `[2, blocks, ...]` in vLLM's
     layouts). A cache with neither is reported, not guessed at (and the step goes on: failing
     it would stop every request)."""
+    # The ids go to each device once, not once per layer.
+    indices: dict[torch.device, torch.Tensor] = {}
     for kv in kv_caches:
         axis = next((axis for axis in (0, 1) if kv.dim() > axis and kv.shape[axis] == num_blocks),
                     None)
@@ -62,4 +64,8 @@ def zero_blocks(kv_caches: list[torch.Tensor], num_blocks: int, block_ids: list[
                          "blocks); blocks an edited request held are not zeroed",
                          tuple(kv.shape), num_blocks)
             continue
-        kv.index_fill_(axis, torch.tensor(block_ids, dtype=torch.long, device=kv.device), 0)
+        index = indices.get(kv.device)
+        if index is None:
+            index = indices[kv.device] = torch.tensor(block_ids, dtype=torch.long,
+                                                      device=kv.device)
+        kv.index_fill_(axis, index, 0)
