@@ -15,10 +15,11 @@ from vllm_runner import ops
 from vllm_runner.graph_steps import GraphSteps
 from vllm_runner.in_graph import InGraphRows
 from vllm_runner.program import Program
+from vllm_runner.repeated_saves import RepeatedSaves
 from vllm_runner.save_arena import SaveArena
 from vllm_runner.step_plan import ScheduledRequest, plan_step
 from vllm_runner.store import SaveStore, ToCollect
-from vllm_runner.tap_saves import SaveRing, keep_rows
+from vllm_runner.tap_saves import SaveRing
 from vllm_runner.tap_steering import SteerRows, steered_rows
 
 ROWS, SLOTS = 64, 8
@@ -60,22 +61,26 @@ def steps(draw: Any) -> tuple[list[int], list[int], list[str | None]]:
 
 
 @settings(deadline=None, max_examples=150)
-@given(steps(), st.integers(1, 3))
+@given(steps(), st.integers(1, 4), st.booleans())
 def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
-        step, repeats) -> None:
+        step, repeats, follow_on) -> None:
     counts, firsts, names = step
     requests = []
     found = {}
     for path in ("general", "per program"):
         (taps, values), store = graph_taps(), SaveStore()
         graph_steps = GraphSteps(taps, lambda op: list(op.patterns()), values)
+        repeated_saves = RepeatedSaves()
         # One list for every step, as the adapters reuse it (`repeated_schedule`): the later
         # steps take the first one's plan with their own positions.
         requests = [ScheduledRequest(key, Program(f"p-{key}", name, PROGRAMS[name]), 100)
                     for key, name in zip(layout_of(counts, firsts).keys, names, strict=True)
                     if name is not None]
-        for repeat in range(repeats):  # steps whose positions follow on
-            layout = layout_of(counts, [first + repeat * 6 for first in firsts])
+        for repeat in range(repeats):
+            # Decode steps' positions follow on (their saves are kept as a run of steps:
+            # `repeated_saves`); else the later steps' rows land past a gap.
+            layout = layout_of(counts, [first + repeat * (count if follow_on else 6)
+                                        for first, count in zip(firsts, counts, strict=True)])
             if path == "general":
                 wants = plan_step(layout, requests, lambda op: list(op.patterns())).tokens.wants
                 for location, rows in taps.items():
@@ -88,8 +93,7 @@ def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
                 assert planned is not None
                 for steering in planned.steering:
                     steering.rows.steer.write(steering.vectors, steering.index)
-                for rings, saving in planned.saves:
-                    keep_rows(rings, saving, store)
+                repeated_saves.keep(planned.saves, planned.layout, store)
         # What each row gets added, and what each request saved (some positions only: a row
         # saved as another position's would show).
         added = [rows.steer.table.index_select(0, rows.steer.index) for rows in taps.values()]

@@ -5,6 +5,8 @@ what is collected (run here on the host, treating its tensors as a device's)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -298,3 +300,56 @@ def test_an_arenas_blocks_are_freed_when_their_requests_are_collected_or_dropped
     assert arena.blocks == 6  # z's rows are in every block
     store.drop(["z"])
     assert arena.blocks == 1 and len(store) == 0
+
+
+@settings(deadline=None, max_examples=150)
+@given(st.integers(1, 4), st.lists(st.tuples(st.booleans(), st.integers(-1, 3), st.booleans()),
+                                   min_size=1, max_size=10))
+def test_decode_steps_kept_as_a_run_are_collected_as_if_saved_whole(members, steps) -> None:
+    """Decode steps of an unchanged schedule keep their graph-tap saves once a step
+    (`repeated_saves`); spilled, dropped, or jumping to other positions (a step the run did not
+    see) at any step, every request's rows come back as if each step's were saved as tensors,
+    the device bytes counted are the rows still there, and the arena's blocks are freed."""
+    from parts import layout_of
+    from vllm_runner.repeated_saves import RepeatedSaves
+
+    store, expected_store, arena = SaveStore(), SaveStore(), _DeviceArena()
+    rings = [SimpleNamespace(location=location, arena=arena, ring=torch.zeros(8, 1))
+             for location in ("a", "b")]
+    repeated = RepeatedSaves()
+    live = [f"p{member}" for member in range(members)]
+    rows = [(program_id, index) for index, program_id in enumerate(live)]  # the plan's list
+    position, on_device = 0, dict.fromkeys(live, 0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "cat", _cat_on_one_device)
+        for step, (spill, dropped, jump) in enumerate(steps):
+            position += 2 if jump else 1  # a jump: the run's next step is not this one
+            for number, ring in enumerate(rings):
+                ring.ring.copy_(torch.arange(8.0).reshape(8, 1) + 100 * step + 1000 * number)
+            layout = layout_of([1] * members, [position] * members)
+            for program_id, index in rows:
+                for ring in rings:
+                    expected_store.save(program_id, ring.location, position,
+                                        ring.ring[index:index + 1].clone().unsqueeze(0), 1)
+                on_device[program_id] += 1
+            repeated.keep([(rings, rows)], layout, store)  # type: ignore[list-item]
+            assert store.device_bytes == sum(on_device.values()) * 2 * 4
+            if spill:
+                store.spill(0)
+                on_device = dict.fromkeys(on_device, 0)
+                assert store.device_bytes == 0
+            if 0 <= dropped < len(rows):  # aborted: the next steps schedule the others
+                program_id = rows[dropped][0]
+                store.drop([program_id])
+                expected_store.drop([program_id])
+                on_device.pop(program_id)
+                rows = [row for row in rows if row[0] != program_id]
+        assert store.held() == expected_store.held()
+        wanted = [(program_id, 10_000, {"a": None, "b": None}) for program_id, _ in rows]
+        found = store.collect(wanted)
+        expected = expected_store.collect(wanted)
+    for program_id, _ in rows:
+        for location in ("a", "b"):
+            assert torch.equal(found[program_id][location], expected[program_id][location])
+    assert len(store) == 0
+    assert arena.blocks <= 1  # only the block rows still go into is kept

@@ -23,7 +23,7 @@ from vllm_runner.in_graph import InGraphRows, in_graph_ops
 from vllm_runner.ops import Add, Op, Save
 from vllm_runner.program import Program
 from vllm_runner.step_plan import ScheduledRequest
-from vllm_runner.tap_saves import SavedRows, SaveRing
+from vllm_runner.tap_saves import SaveRing
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,13 @@ SavingRows = list[tuple[list[SaveRing], list[tuple[str, int]]]]
 @dataclass(frozen=True)
 class GraphStep:
     """A step's work at the graph taps: the steering to write before the forward, and after
-    it, per set of taps the same requests saved at (every layer's, often), their rows."""
+    it, per set of taps the same requests saved at (every layer's, often), their rows in
+    `layout` (`repeated_saves` keeps them; the same lists at every step of a repeated
+    schedule)."""
 
     steering: list[Steering]
-    saves: list[tuple[list[SaveRing], list[SavedRows]]]
+    saves: SavingRows
+    layout: StepLayout
 
 
 class GraphSteps:
@@ -110,7 +113,8 @@ class GraphSteps:
 
         A step given the very list of requests the last one was (`repeated_schedule`: the same
         requests in the same order) with the same row counts — a run of decode steps — has the
-        same steering and the same saving rows; only their positions move on."""
+        same steering and the same saving rows (the very same lists); only their positions move
+        on."""
         last = self._last
         if last is not None and requests is last[0] and layout.counts == last[1]:
             steering, saving = last[2], last[3]
@@ -120,11 +124,7 @@ class GraphSteps:
                 return None
             steering, saving = planned
             self._last = (requests, layout.counts, steering, saving)
-        starts, counts, firsts = layout.starts, layout.counts, layout.first_positions
-        return GraphStep(steering, [
-            (taps, [(program_id, starts[row], counts[row], firsts[row])
-                    for program_id, row in rows])
-            for taps, rows in saving])
+        return GraphStep(steering, saving, layout)
 
     def _planned(self, layout: StepLayout, requests: Sequence[ScheduledRequest]
                  ) -> tuple[list[Steering], SavingRows] | None:

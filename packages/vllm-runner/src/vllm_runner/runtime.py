@@ -27,6 +27,7 @@ from vllm_runner.locations import resolve
 from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
 from vllm_runner.ops import Op
 from vllm_runner.program import Program, ProgramCache, ProgramData
+from vllm_runner.repeated_saves import RepeatedSaves
 from vllm_runner.serving import OpGroup, Services, Visits, serve
 from vllm_runner.settings import read_mode
 from vllm_runner.sharded import ShardedValues
@@ -37,7 +38,6 @@ from vllm_runner.step_plan import (
     plan_step,
 )
 from vllm_runner.store import Keep, SaveStore, ToCollect
-from vllm_runner.tap_saves import keep_rows
 from vllm_runner.tap_steering import steered_rows
 from vllm_runner.taps import install_taps, serve_taps
 
@@ -120,6 +120,7 @@ class Runtime:
         self._saves_in_graph: list[tuple[str, list[OpGroup]]] = []  # taken after the forward
         self._graph_step: GraphStep | None = None  # a step planned by `graph_steps`
         self._graph_steps = GraphSteps(self.in_graph, self.locations_of, self.values)
+        self._repeated_saves = RepeatedSaves()  # the graph steps' saves
         self._in_graph_known: dict[tuple[str, str], bool] = {}  # (digest, location)
         # Programs checked against their prompt (at their first step), by program id.
         self._checked: dict[str, Program] = {}
@@ -423,8 +424,7 @@ class Runtime:
         step, self._graph_step = self._graph_step, None
         if step is not None:
             if self.services.keeps_saves:
-                for rings, saving in step.saves:
-                    keep_rows(rings, saving, self.store)
+                self._repeated_saves.keep(step.saves, step.layout, self.store)
             for steering in step.steering:
                 steering.rows.steer.clear()
 

@@ -29,30 +29,64 @@ BLOCK_BYTES = 16 << 20
 class PendingRows:
     """One request's saved rows at the graph taps `locations`, waiting in `arena`, for positions
     `first` up to `end` (each step's rows follow on the last's): per block they are in, the first
-    row and the row count of each step's piece — the same rows at every one of `locations`."""
+    row and the row count of each step's piece — the same rows at every one of `locations`. The
+    latest steps' rows may be kept for many requests at once in a `SharedRows` the request is a
+    member of, until they are taken out of it (`settle`)."""
 
-    __slots__ = ("_indices", "arena", "end", "first", "locations", "segments", "waiting")
+    __slots__ = ("_end", "_indices", "_member", "_shared", "arena", "first", "locations",
+                 "segments", "waiting")
 
     def __init__(self, arena: SaveArena, first: int, locations: tuple[str, ...]) -> None:
         self.arena = arena
-        self.first = self.end = first
+        self.first = self._end = first
         self.locations = locations
         self.waiting = set(locations)  # those not gathered yet
         self.segments: list[tuple[int, list[int], list[int]]] = []  # (block, rows, counts)
         self._indices: list[torch.Tensor] | None = None  # per segment, made at the first gather
+        self._shared: SharedRows | None = None
+        self._member = 0  # its place in `_shared`
+
+    @property
+    def end(self) -> int:
+        """The position after the last row that waits."""
+        shared = self._shared
+        if shared is None:
+            return self._end
+        return self._end + len(shared.rows) * shared.counts[self._member]
 
     def add(self, block: int, row: int, count: int) -> None:
         """The next `count` positions' rows, at `row` of `block`."""
         if not count:
             return
+        if self._shared is not None:
+            self.settle()
+        self._append(block, [row], [count])
+
+    def _append(self, block: int, rows: list[int], counts: list[int]) -> None:
         segments = self.segments
         if not segments or segments[-1][0] != block:
             self.arena.hold(block)
-            segments.append((block, [row], [count]))
+            segments.append((block, rows, counts))
         else:
-            segments[-1][1].append(row)
-            segments[-1][2].append(count)
-        self.end += count
+            segments[-1][1].extend(rows)
+            segments[-1][2].extend(counts)
+        self._end += sum(counts)
+
+    def join(self, shared: SharedRows, member: int) -> None:
+        """The next steps' rows are kept in `shared`, at `member`'s place."""
+        self.settle()
+        self._shared, self._member = shared, member
+
+    def settle(self) -> None:
+        """Take this request's rows out of its `SharedRows` into its own segments (before they
+        are gathered, or other rows follow them); the shared run then takes no more steps."""
+        shared = self._shared
+        if shared is None:
+            return
+        self._shared = None
+        for block, rows, counts in shared.segments_of(self._member):
+            self._append(block, rows, counts)
+        shared.leave(self._member)
 
     @property
     def count(self) -> int:
@@ -62,6 +96,7 @@ class PendingRows:
     def gather(self, location: str) -> torch.Tensor:
         """The rows at `location`, as a new `[1, rows, width]` tensor; once every location has
         been gathered, they no longer hold the arena's blocks."""
+        self.settle()
         if self._indices is None:
             self._indices = self.arena.indices(self.segments)
         rows = self.arena.gather(location, self.segments, self._indices)
@@ -72,9 +107,59 @@ class PendingRows:
 
     def release(self) -> None:
         """Forget the rows at every location (their request was dropped, or all gathered)."""
+        if self._shared is not None:
+            self._shared.leave(self._member)
+            self._shared = None
         self.arena.release(self.segments)
         self.segments, self._indices = [], None
         self.waiting.clear()
+
+
+class SharedRows:
+    """The rows of a run of steps that the same requests saved at the same graph taps, each
+    request at the same place in every step's rows: a run of decode steps with an unchanged
+    schedule (`repeated_saves`). A step is kept once, as the block and first row it went to,
+    instead of once per request (`PendingRows.add`: ~1 µs of host time a request a step).
+
+    Request `member` owns rows `row + offsets[member]` (`counts[member]` of them) of each step's
+    `(block, row)`. The run holds each block it uses once; a member whose rows are taken out
+    (`PendingRows.settle`) or dropped leaves, the run then takes no more steps, and the blocks
+    are let go when the last member has left."""
+
+    __slots__ = ("_blocks", "_left", "arena", "counts", "offsets", "open", "rows")
+
+    def __init__(self, arena: SaveArena, offsets: list[int], counts: list[int]) -> None:
+        self.arena = arena
+        self.offsets, self.counts = offsets, counts
+        self.rows: list[int] = []  # each step's first row
+        self.open = True  # whether steps may still be added
+        self._left = set(range(len(offsets)))  # members whose rows are still here
+        # Each block the steps went to, with its first step; held by the run, once each.
+        self._blocks: list[tuple[int, int]] = []
+
+    def add(self, block: int, row: int) -> None:
+        """One more step's rows, from `row` of `block`."""
+        if not self._blocks or self._blocks[-1][0] != block:
+            self.arena.hold(block)
+            self._blocks.append((block, len(self.rows)))
+        self.rows.append(row)
+
+    def segments_of(self, member: int) -> list[tuple[int, list[int], list[int]]]:
+        """`member`'s rows as `PendingRows.segments`."""
+        if not self._blocks:
+            return []
+        offset, count, rows = self.offsets[member], self.counts[member], self.rows
+        stops = [first for _, first in self._blocks[1:]] + [len(rows)]
+        return [(block, [row + offset for row in rows[first:stop]], [count] * (stop - first))
+                for (block, first), stop in zip(self._blocks, stops, strict=True)]
+
+    def leave(self, member: int) -> None:
+        """`member`'s rows are no longer kept here."""
+        self.open = False
+        self._left.discard(member)
+        if not self._left and self._blocks:
+            self.arena.release([(block, [], []) for block, _ in self._blocks])
+            self._blocks = []
 
 
 class SaveArena:

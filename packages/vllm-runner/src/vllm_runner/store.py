@@ -148,13 +148,14 @@ class SaveStore:
                 device_bytes[program_id] += value.numel() * size
 
     def save_pending(self, locations: tuple[str, ...], arena: SaveArena,
-                     saved: list[tuple[str, int, int, int, int]]) -> None:
+                     saved: list[tuple[str, int, int, int, int]]) -> list[PendingRows]:
         """`save_rows` for rows graph taps put in `arena` (`tap_saves`), the same rows at each
         of `locations`: each of `saved` is `(program_id, first position, block, row, count)`. A
         request's rows wait there, its steps' pieces in one `PendingRows` while their positions
         follow on (shared by the locations), until collected, dropped or moved to the host.
-        Token axis 1."""
+        Token axis 1. Each one's `PendingRows`, in the order of `saved`."""
         chunks, axes, device_bytes = self._chunks, self._axes, self._device_bytes
+        kept_in: list[PendingRows] = []
         size = arena.row_bytes * len(locations) if arena.device.type != "cpu" else 0
         if size:
             self._device = arena.device
@@ -170,8 +171,17 @@ class SaveStore:
                     axes[program_id, location] = 1
                     by_location[location].append(Chunk((first_position, pending)))
             pending.add(block, row, count)
+            kept_in.append(pending)
             if size:
                 device_bytes[program_id] += count * size
+        return kept_in
+
+    def save_shared_step(self, device_bytes: list[tuple[str, int]]) -> None:
+        """Count a step's rows that went into a `SharedRows` (`repeated_saves`): `(program id,
+        bytes)` of each member on a device (none on the host)."""
+        held = self._device_bytes
+        for program_id, size in device_bytes:
+            held[program_id] += size
 
     def spill(self, limit: int | None) -> None:
         """Move every save held on a device to the host if together they exceed `limit` bytes

@@ -13,13 +13,14 @@ forward, and on a GPU that copy is ordered before it on the same stream.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from vllm_envoys import Value
 
 from vllm_runner.ops import Save
-from vllm_runner.save_arena import SaveArena
+from vllm_runner.save_arena import PendingRows, SaveArena
 from vllm_runner.serving import Want, passed_over
 from vllm_runner.store import SaveStore
 
@@ -59,25 +60,45 @@ class SaveRing:
         keep_rows([self], list(saving.values()), store)
 
 
-def keep_rows(rings: Sequence[SaveRing], saving: list[SavedRows], store: SaveStore) -> None:
+class Placed(NamedTuple):
+    """Where `keep_rows` put a step's saved rows: from `row` of `block`, each run of adjacent
+    requests' slab rows `start:stop` at `row + offset`; the requests (by first row), each at
+    `row + offsets[i]`, and their `PendingRows`."""
+
+    block: int
+    row: int
+    runs: list[tuple[int, int, int]]  # (start, stop, offset)
+    saving: list[SavedRows]
+    offsets: list[int]
+    pending: list[PendingRows]
+
+
+def keep_rows(rings: Sequence[SaveRing], saving: list[SavedRows], store: SaveStore
+              ) -> Placed | None:
     """Keep the rows `saving` names (one entry per request) of the last forward at every one of
     `rings` (their taps all saved them): into their shared arena, one copy per run of adjacent
-    requests and ring, and into the store as pending rows, one per request for all the rings."""
+    requests and ring, and into the store as pending rows, one per request for all the rings.
+    Where they went (`None`: nobody saved)."""
     if not saving:
-        return
+        return None
     arena = rings[0].arena
     saving.sort(key=lambda saved: saved[1])
-    runs = _runs(saving)
-    block, row = arena.reserve(sum(count for _, _, count, _ in saving))
+    block, base = arena.reserve(sum(count for _, _, count, _ in saving))
     locations = tuple(ring.location for ring in rings)
     placed: list[tuple[str, int, int, int, int]] = []
-    for run in runs:
+    offsets: list[int] = []
+    runs: list[tuple[int, int, int]] = []
+    row = base
+    for run in _runs(saving):
         start, stop = run[0][1], run[-1][1] + run[-1][2]
         arena.write(locations, block, row, [ring.ring[start:stop] for ring in rings])
-        placed.extend((program_id, first_position, block, row + first - start, count)
-                      for program_id, first, count, first_position in run)
+        runs.append((start, stop, row - base))
+        for program_id, first, count, first_position in run:
+            offsets.append(row - base + first - start)
+            placed.append((program_id, first_position, block, row + first - start, count))
         row += stop - start
-    store.save_pending(locations, arena, placed)
+    pending = store.save_pending(locations, arena, placed)
+    return Placed(block, base, runs, saving, offsets, pending)
 
 
 def _runs(saving: list[SavedRows]) -> list[list[SavedRows]]:
