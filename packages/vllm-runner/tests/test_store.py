@@ -353,3 +353,26 @@ def test_decode_steps_kept_as_a_run_are_collected_as_if_saved_whole(members, ste
             assert torch.equal(found[program_id][location], expected[program_id][location])
     assert len(store) == 0
     assert arena.blocks <= 1  # only the block rows still go into is kept
+
+
+def test_rows_saved_apart_from_a_run_of_steps_end_the_run() -> None:
+    """A request of a run of steps (`SharedRows`) given rows that do not follow on (another
+    position, saved request by request) leaves the run: no later step may extend it."""
+    from vllm_runner.save_arena import SharedRows
+
+    store, arena = SaveStore(), SaveArena(1, 1, torch.device("cpu"), torch.float32, 64)
+    block, row = arena.reserve(1)
+    arena.write(["a"], block, row, [torch.zeros(1, 1)])
+    [pending] = store.save_pending(("a",), arena, [("k", 0, block, row, 1)])
+    run = SharedRows(arena, [0], [1])
+    pending.join(run, 0)
+    block, row = arena.reserve(1)
+    arena.write(["a"], block, row, [torch.ones(1, 1)])
+    run.add(block, row)
+    assert run.open and pending.end == 2
+    block, row = arena.reserve(1)
+    arena.write(["a"], block, row, [torch.full((1, 1), 5.0)])
+    store.save_pending(("a",), arena, [("k", 5, block, row, 1)])  # not position 2
+    assert not run.open
+    found = store.collect([("k", 10, {"a": None})])["k"]["a"]
+    assert found.flatten().tolist() == [0.0, 1.0, 5.0]

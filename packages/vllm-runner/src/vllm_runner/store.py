@@ -166,6 +166,8 @@ class SaveStore:
             pending = kept[-1][1] if kept else None
             if (type(pending) is not PendingRows or pending.locations != locations
                     or pending.arena is not arena or pending.end != first_position):
+                if type(pending) is PendingRows:
+                    pending.settle()  # a run of steps it shares (`repeated_saves`) ends here
                 pending = PendingRows(arena, first_position, locations)
                 for location in locations:
                     axes[program_id, location] = 1

@@ -61,12 +61,10 @@ class SaveRing:
 
 
 class Placed(NamedTuple):
-    """Where `keep_rows` put a step's saved rows: from `row` of `block`, each run of adjacent
-    requests' slab rows `start:stop` at `row + offset`; the requests (by first row), each at
-    `row + offsets[i]`, and their `PendingRows`."""
+    """Where `keep_rows` put a step's saved rows, from the first row it reserved: each run of
+    adjacent requests' slab rows `start:stop` at `offset` from it; the requests (by first row),
+    each at `offsets[i]` from it, and their `PendingRows`."""
 
-    block: int
-    row: int
     runs: list[tuple[int, int, int]]  # (start, stop, offset)
     saving: list[SavedRows]
     offsets: list[int]
@@ -98,7 +96,7 @@ def keep_rows(rings: Sequence[SaveRing], saving: list[SavedRows], store: SaveSto
             placed.append((program_id, first_position, block, row + first - start, count))
         row += stop - start
     pending = store.save_pending(locations, arena, placed)
-    return Placed(block, base, runs, saving, offsets, pending)
+    return Placed(runs, saving, offsets, pending)
 
 
 def _runs(saving: list[SavedRows]) -> list[list[SavedRows]]:
