@@ -216,18 +216,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(parser, arguments)
     except KeyboardInterrupt:
         return _interrupted(arguments.command)
-    except (InterpError, ValueError, OSError) as error:
-        if _raised_while_interrupting(error):
-            return _interrupted(arguments.command)
-        if arguments.verbose:
-            raise  # the whole traceback, for a bug report
-        message = str(error).strip() or type(error).__name__
-        print(f"vllm-interp {arguments.command}: {message}", file=sys.stderr)
-        return 2 if isinstance(error, LocationError) else 1
     except Exception as error:
         if _raised_while_interrupting(error):
             return _interrupted(arguments.command)
-        raise
+        if arguments.verbose or not isinstance(error, (InterpError, ValueError, OSError)):
+            raise  # the whole traceback: a bug of ours, or asked for one for a bug report
+        message = str(error).strip() or type(error).__name__
+        print(f"vllm-interp {arguments.command}: {message}", file=sys.stderr)
+        return 2 if isinstance(error, LocationError) else 1
 
 
 def _interrupted(command: str) -> int:
@@ -245,8 +241,8 @@ def _raised_while_interrupting(error: BaseException) -> bool:
     Code that cleans up in a `finally` can fail when Ctrl-C lands at the wrong instruction:
     vLLM 0.32's tokenizer pool (`vllm/tokenizers/hf.py`) then puts back a tokenizer it never got
     and raises `UnboundLocalError`, seen in CI when Ctrl-C reached `extract` as it added
-    requests. The user pressed Ctrl-C; they should see
-    the one-line interruption, not that traceback."""
+    requests. The user pressed Ctrl-C; they should see the one-line interruption, not that
+    traceback."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:

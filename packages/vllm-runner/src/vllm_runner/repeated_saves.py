@@ -27,7 +27,7 @@ import torch
 from tokenspan import StepLayout
 
 from vllm_runner.graph_steps import SavingRows
-from vllm_runner.save_arena import SaveArena, SharedRows
+from vllm_runner.save_arena import SharedRows
 from vllm_runner.store import SaveStore
 from vllm_runner.tap_saves import Placed, SaveRing, keep_rows
 
@@ -38,7 +38,6 @@ class _Run:
 
     rows: list[tuple[str, int]]  # the plan's list: the same object at every step of the run
     shared: SharedRows
-    arena: SaveArena
     locations: tuple[str, ...]
     copies: list[tuple[int, list[torch.Tensor]]]  # per run of adjacent rows: offset, ring rows
     total: int  # rows a step
@@ -54,9 +53,10 @@ class _Run:
 
     def step(self, store: SaveStore) -> None:
         """Keep this step's rows: one reservation, one copy per run of adjacent rows."""
-        block, row = self.arena.reserve(self.total)
+        arena = self.shared.arena
+        block, row = arena.reserve(self.total)
         for offset, rings in self.copies:
-            self.arena.write(self.locations, block, row + offset, rings)
+            arena.write(self.locations, block, row + offset, rings)
         self.shared.add(block, row)
         self.expected += self.counts
         if self.device_bytes:
@@ -96,17 +96,17 @@ def _started(rows: list[tuple[str, int]], rings: Sequence[SaveRing], placed: Pla
              ) -> _Run | None:
     """A run whose first step is the one `keep_rows` just `placed` (`None` if a request saved
     no rows: it would have no place in the next steps)."""
-    if any(count == 0 for _, _, count, _ in placed.saving):
+    counts = [count for _, _, count, _ in placed.saving]
+    if 0 in counts:
         return None
     arena = rings[0].arena
-    counts = [count for _, _, count, _ in placed.saving]
     shared = SharedRows(arena, placed.offsets, counts)
     for member, pending in enumerate(placed.pending):
         pending.join(shared, member)
-    row_bytes = arena.row_bytes * len(rings) if arena.device.type != "cpu" else 0
+    row_bytes = arena.device_row_bytes(len(rings))
     row_of = dict(rows)  # program id -> its request's index in the layout
     return _Run(
-        rows=rows, shared=shared, arena=arena,
+        rows=rows, shared=shared,
         locations=tuple(ring.location for ring in rings),
         copies=[(offset, [ring.ring[start:stop] for ring in rings])
                 for start, stop, offset in placed.runs],

@@ -180,6 +180,11 @@ class SaveArena:
         self._cursor = 0  # its first free row
         self._next = 0
 
+    def device_row_bytes(self, taps: int) -> int:
+        """What one row saved at `taps` taps holds on a device, in bytes; 0 where the arena is
+        on the host (the store counts device bytes only, to know when to spill)."""
+        return self.row_bytes * taps if self.device.type != "cpu" else 0
+
     @property
     def blocks(self) -> int:
         """How many blocks are in use now (a test sees them freed)."""

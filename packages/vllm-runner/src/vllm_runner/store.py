@@ -156,7 +156,7 @@ class SaveStore:
         Token axis 1. Each one's `PendingRows`, in the order of `saved`."""
         chunks, axes, device_bytes = self._chunks, self._axes, self._device_bytes
         kept_in: list[PendingRows] = []
-        size = arena.row_bytes * len(locations) if arena.device.type != "cpu" else 0
+        size = arena.device_row_bytes(len(locations))
         if size:
             self._device = arena.device
         first_location = locations[0]
