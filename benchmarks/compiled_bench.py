@@ -31,6 +31,12 @@ with a method free of bias (a ratio of ours inside the twin's spread is no cost 
 (bare) our `LLM` with no taps declared and no programs: against (a), what declaring taps costs
 steps without programs (the taps split the piecewise graphs that prefill and mixed steps run).
 
+Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where
+the profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its
+own, so saves collected cross processes as users' do (`vllm_runner.wire`). Our engine reports the
+seconds of each run spent collecting saves after the last step (the *collecting* column): a cost
+per saved byte, apart from the steps' cost.
+
 `--profile PATH` then runs the default engine and each arm once more under cProfile and once
 under torch's profiler (kernels by device time, the device's busy share of the wall time): for
 telling host work from device work when an arm is slower than another. With `--repeats 0` only
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import multiprocessing
 import os
 import platform
@@ -50,6 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -118,18 +126,22 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
 
 
 def serve_engine(kind: str, model: str, settings: dict[str, Any],
-                 taps: tuple[list[str], list[str]], jobs: Any, results: Any) -> None:
+                 taps: tuple[list[str], list[str]], engine_core_apart: bool, jobs: Any,
+                 results: Any) -> None:
     """A child process: one engine (`default`, `eager` or `ours`), then one timed workload per
-    job `(arm, prompts, width, max_tokens, profiler)`, its seconds sent back (and, with a
-    profiler of `PROFILERS`, its report)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    job `(arm, prompts, width, max_tokens, profiler)`, its seconds sent back with the seconds
+    our engine spent collecting saves in them (and, with a profiler of `PROFILERS`, its
+    report). The engine core runs in this process unless `engine_core_apart` (vLLM's default)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_apart else "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    collecting = [0.0]
     if kind.startswith("ours"):
         from vllm_runner import LLM
 
         # "ours bare" is what a user who declares no taps runs.
         tapped = {} if kind == "ours bare" else {"taps": taps[0], "graph_taps": taps[1]}
         engine: Any = LLM(model, enforce_eager=False, **tapped, **settings)
+        engine._attach_saves = timed(engine._attach_saves, collecting)
     else:
         import vllm
 
@@ -142,13 +154,27 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
         failed: list[str] = []
         workload = partial(run_workload, engine, kind.startswith("ours"), arm, prompts, width,
                            max_tokens, (layers, config.get_hidden_size()), failed)
+        collecting[0] = 0.0
         start = time.perf_counter()
         report = PROFILERS[profiler](workload) if profiler else workload()
         if failed:
             results.put(("failed", failed[0]))
             return
-        results.put(("took", time.perf_counter() - start, report))
+        results.put(("took", time.perf_counter() - start, report, collecting[0]))
     results.put(("forwards", engine.forwards() if kind.startswith("ours") else None))
+
+
+def timed(collect: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    """`collect` (`LLM._attach_saves`: the collection of a `generate`'s saves, after its last
+    step) adding the seconds it takes to `spent[0]`: which share of an arm's time is moving
+    saves to the caller, and which the steps (a cost per byte against one per step)."""
+    def timed_collect(*args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return collect(*args)
+        finally:
+            spent[0] += time.perf_counter() - started
+    return timed_collect
 
 
 def run_workload(engine: Any, ours: bool, arm: str, prompts: list[list[int]], width: int,
@@ -177,12 +203,13 @@ class Engine:
     """A child process holding one engine, and the queues to it."""
 
     def __init__(self, kind: str, model: str, settings: dict[str, Any],
-                 taps: tuple[list[str], list[str]] = ([], [])) -> None:
+                 taps: tuple[list[str], list[str]] = ([], []),
+                 engine_core_apart: bool = False) -> None:
         context = multiprocessing.get_context("spawn")
         self.kind = kind
         self.jobs, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=serve_engine, name=f"engine-{kind}", args=(
-            kind, model, settings, taps, self.jobs, self.results))
+            kind, model, settings, taps, engine_core_apart, self.jobs, self.results))
         self.process.start()
         started = time.perf_counter()
         _, self.layers, self.hidden, self.vocab = self.answer("ready")
@@ -211,9 +238,12 @@ class Engine:
             raise RuntimeError(f"the {self.kind} engine answered {found!r}")
         return tuple(found)
 
-    def run(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int) -> float:
+    def run(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int
+            ) -> tuple[float, float]:
+        """Seconds of one run of `arm`, and of them the seconds spent collecting saves."""
         self.jobs.put((arm, prompts, width, max_tokens, None))
-        return float(self.answer("took")[1])
+        _, took, _, collecting = self.answer("took")
+        return float(took), float(collecting)
 
     def profile(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int,
                 profiler: str) -> str:
@@ -241,6 +271,10 @@ def main() -> None:
                         help="timed pairs per arm; 0 with --profile: only profile the arms")
     parser.add_argument("--arms", default=",".join(NAMES))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--engine-core-apart", action="store_true",
+                        help="every engine's core in a process of its own, as vLLM runs it by "
+                             "default (saves then cross processes); by default it runs in the "
+                             "engine's process, where the profilers see it")
     parser.add_argument("--out", default=None, help="default: docs/benchmarks/compiled-<device>.md")
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="after the timed repeats, run the default engine and each arm once "
@@ -275,18 +309,19 @@ def main() -> None:
     taps = (["layers.*.layer_output"], [f"layers.{middle}.layer_output"])
     # One engine at a time starts (start-up compiles, and would compete for the cores). With
     # `--repeats 0` only the arms' engines start, to be profiled.
-    engines = {} if profile_only else {"default": Engine("default", model, settings)}
+    start = partial(Engine, model=model, settings=settings,
+                    engine_core_apart=arguments.engine_core_apart)
+    engines = {} if profile_only else {"default": start("default")}
     if set(arms) - OWN_ENGINE.keys():
-        engines["ours"] = Engine("ours", model, settings, taps)
+        engines["ours"] = start("ours", taps=taps)
     if "cg" in arms:  # a user saving every layer at speed declares them all graph taps
-        engines["ours every layer"] = Engine("ours every layer", model, settings,
-                                             (taps[0], taps[0]))
+        engines["ours every layer"] = start("ours every layer", taps=(taps[0], taps[0]))
     if "eager" in arms:
-        engines["eager"] = Engine("eager", model, settings)
+        engines["eager"] = start("eager")
     if "twin" in arms:  # the method's own bias: the same engine, another process
-        engines["twin"] = Engine("default twin", model, settings)
+        engines["twin"] = start("default twin")
     if "bare" in arms:  # what declaring taps costs steps without programs (prefill pieces)
-        engines["bare"] = Engine("ours bare", model, settings)
+        engines["bare"] = start("ours bare")
     generator = torch.Generator().manual_seed(0)
 
     def fresh_prompts() -> list[list[int]]:
@@ -297,20 +332,23 @@ def main() -> None:
     def arm_engine_of(arm: str) -> Engine:
         return engines[OWN_ENGINE.get(arm, "ours")]
 
-    def arm_engine(arm: str) -> Callable[[list[list[int]]], float]:
-        engine = arm_engine_of(arm)
-        return lambda prompts: engine.run(arm, prompts, arguments.concurrency,
-                                          arguments.max_tokens)
+    def run_arm(arm: str, prompts: list[list[int]]) -> float:
+        took, collecting = arm_engine_of(arm).run(arm, prompts, arguments.concurrency,
+                                                  arguments.max_tokens)
+        collection[arm].append(collecting)
+        return took
 
     def run_default(prompts: list[list[int]]) -> float:
-        return engines["default"].run("a", prompts, arguments.concurrency, arguments.max_tokens)
+        return engines["default"].run("a", prompts, arguments.concurrency,
+                                      arguments.max_tokens)[0]
 
     warm = fresh_prompts()
     for engine in engines.values():
         engine.run("a", warm, arguments.concurrency, arguments.max_tokens)
     ratios: dict[str, list[float]] = {arm: [] for arm in arms}
     seconds: dict[str, list[float]] = {arm: [] for arm in arms}
-    default_seconds: list[float] = []
+    collection: dict[str, list[float]] = {arm: [] for arm in arms}
+    default_seconds: dict[str, list[float]] = {arm: [] for arm in arms}  # each arm's pairs
     device = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()}, " \
                                                            f"{os.cpu_count()} cores"
     out = Path(arguments.out or ROOT / "docs" / "benchmarks" /
@@ -319,8 +357,8 @@ def main() -> None:
 
     def publish(done: int, forwards: dict[str, int] | None) -> str:
         # After every repeat: a run cut short (the GPU's 10-minute calls) still leaves a report.
-        report = render(arguments, arms, ratios, seconds, default_seconds, forwards, device,
-                        model, on_gpu, out.with_suffix(".png").name, done)
+        report = render(arguments, arms, Timings(ratios, seconds, collection, default_seconds),
+                        forwards, device, model, on_gpu, out.with_suffix(".png").name, done)
         out.write_text(report)
         plot(arms, ratios, out.with_suffix(".png"), device)
         return report
@@ -328,14 +366,14 @@ def main() -> None:
     for repeat in range(arguments.repeats):
         for arm in arms:
             prompts = fresh_prompts()
-            run_arm = arm_engine(arm)
             base, took = timed_pair(repeat, partial(run_default, prompts),
-                                    partial(run_arm, prompts))
-            default_seconds.append(base)
+                                    partial(run_arm, arm, prompts))
+            default_seconds[arm].append(base)
             seconds[arm].append(took)
             ratios[arm].append(base / took)
             print(f"repeat {repeat + 1}/{arguments.repeats} {arm:>8}: default {base:6.2f} s, "
-                  f"arm {took:6.2f} s, ratio {base / took:.3f}", flush=True)
+                  f"arm {took:6.2f} s (collecting {collection[arm][-1]:.3f} s), "
+                  f"ratio {base / took:.3f}", flush=True)
         publish(repeat + 1, None)
     if arguments.profile:
         profile_arms(arms, arm_engine_of, engines.get("default"), fresh_prompts, arguments,
@@ -369,8 +407,25 @@ def profile_arms(arms: list[str], engine_of: Callable[[str], Engine], default: E
     print(f"profiles written to {path}")
 
 
-def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, list[float]],
-           seconds: dict[str, list[float]], default_seconds: list[float],
+@dataclass(frozen=True)
+class Timings:
+    """What the repeats measured, by arm: each pair's ratio (default / arm), the arm's seconds,
+    the part of them our engine spent collecting saves, and the default engine's seconds in the
+    same pairs."""
+
+    ratios: dict[str, list[float]]
+    seconds: dict[str, list[float]]
+    collection: dict[str, list[float]]
+    default_seconds: dict[str, list[float]]
+
+    def fastest_ratio(self, arm: str) -> float:
+        """The default engine's fastest run over the arm's fastest: on a host whose runs swing
+        between a fast and a slow mode (the H200's: 0.41 and 0.6 s for the same work), the two
+        least disturbed runs."""
+        return min(self.default_seconds[arm]) / min(self.seconds[arm])
+
+
+def render(arguments: argparse.Namespace, arms: list[str], timings: Timings,
            forwards: dict[str, int] | None, device: str, model: str, on_gpu: bool,
            plot_name: str, done: int) -> str:
     """The Markdown report of the `done` repeats measured so far (of `arguments.repeats`), with
@@ -393,23 +448,33 @@ def render(arguments: argparse.Namespace, arms: list[str], ratios: dict[str, lis
         "engine (compiled" + (", CUDA graphs" if on_gpu else ": Dynamo and inductor") + "), "
         "ours (`LLM(enforce_eager=False, taps=[every layer's layer_output], "
         "graph_taps=[the middle layer's])`), for arm cg ours with every layer's a graph tap, "
-        "and vLLM's eager engine. A pair runs the same "
+        "and vLLM's eager engine; " + (
+            "each engine's core in a process of its own, as vLLM runs it by default (saves "
+            "cross processes). " if arguments.engine_core_apart else
+            "each engine's core in the engine's process (saves do not cross processes). ") +
+        "A pair runs the same "
         "fresh prompts on the default engine and the arm, order alternating; ratio = default "
         "time / arm time "
-        "(1.0 = free). Medians, min-max over repeats.",
+        "(1.0 = free). Medians, min-max over repeats; *fastest* is the default engine's fastest "
+        "run in the arm's pairs over the arm's fastest; *collecting* the median seconds of a run "
+        "our `LLM` spent moving saves to the caller after the last step.",
         "",
-        f"Default engine: median {statistics.median(default_seconds):.2f} s per run.",
+        "Default engine: median "
+        f"{statistics.median(itertools.chain(*timings.default_seconds.values())):.2f} s per run.",
         "",
-        "| arm | what | median s | ratio vs default | min-max | target |",
-        "|---|---|---|---|---|---|",
+        "| arm | what | median s | collecting s | ratio vs default | min-max | fastest | "
+        "target |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for arm in arms:
-        ratio = statistics.median(ratios[arm])
+        ratios = timings.ratios[arm]
+        ratio = statistics.median(ratios)
         target = targets.get(arm)
         verdict = "" if target is None else f"{'met' if ratio >= target else 'NOT met'} " \
                                             f"(≥ {target})"
-        lines.append(f"| {arm} | {NAMES[arm]} | {statistics.median(seconds[arm]):.2f} | "
-                     f"{ratio:.3f} | {min(ratios[arm]):.3f}-{max(ratios[arm]):.3f} | "
+        lines.append(f"| {arm} | {NAMES[arm]} | {statistics.median(timings.seconds[arm]):.2f} | "
+                     f"{statistics.median(timings.collection[arm]):.3f} | {ratio:.3f} | "
+                     f"{min(ratios):.3f}-{max(ratios):.3f} | {timings.fastest_ratio(arm):.3f} | "
                      f"{verdict} |")
     lines += [] if not set(arms) - OWN_ENGINE.keys() else [
         "",
