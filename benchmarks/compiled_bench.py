@@ -149,19 +149,24 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     config = engine.llm_engine.model_config
     layers = config.get_num_layers(engine.llm_engine.vllm_config.parallel_config)
     results.put(("ready", layers, config.get_hidden_size(), config.get_vocab_size()))
-    while (job := jobs.get()) is not None:
-        arm, prompts, width, max_tokens, profiler = job
-        failed: list[str] = []
-        workload = partial(run_workload, engine, kind.startswith("ours"), arm, prompts, width,
-                           max_tokens, (layers, config.get_hidden_size()), failed)
-        collecting[0] = 0.0
-        start = time.perf_counter()
-        report = PROFILERS[profiler](workload) if profiler else workload()
-        if failed:
-            results.put(("failed", failed[0]))
-            return
-        results.put(("took", time.perf_counter() - start, report, collecting[0]))
-    results.put(("forwards", engine.forwards() if kind.startswith("ours") else None))
+    try:
+        while (job := jobs.get()) is not None:
+            arm, prompts, width, max_tokens, profiler = job
+            failed: list[str] = []
+            workload = partial(run_workload, engine, kind.startswith("ours"), arm, prompts, width,
+                               max_tokens, (layers, config.get_hidden_size()), failed)
+            collecting[0] = 0.0
+            start = time.perf_counter()
+            report = PROFILERS[profiler](workload) if profiler else workload()
+            if failed:
+                results.put(("failed", failed[0]))
+                return
+            results.put(("took", time.perf_counter() - start, report, collecting[0]))
+        results.put(("forwards", engine.forwards() if kind.startswith("ours") else None))
+    finally:
+        # An engine core in a process of its own (`--engine-core-apart`) is a child of this one,
+        # which joins it on exit: shut it down, or this process never ends.
+        engine.llm_engine.engine_core.shutdown()
 
 
 def timed(collect: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
