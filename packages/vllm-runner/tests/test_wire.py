@@ -1,16 +1,19 @@
 """Collected saves cross processes as plain data: through vLLM's own msgpack transport (engine
 core to client) and pickle (worker to engine core) every tensor comes back equal, with its dtype
-and shape, in writable memory of its own."""
+and shape, in writable memory of its own; the worker sends memoryviews only where msgpack is
+the whole way."""
 
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
 from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 from vllm_runner import wire
+from vllm_runner.worker import WorkerRPC
 
 
 def collected() -> wire.Collected:
@@ -24,10 +27,11 @@ def collected() -> wire.Collected:
 
 
 def through_vllm(data: wire.Collected) -> wire.Collected:
-    """What the client receives of a `collective_rpc` result (vLLM's encoder and decoder)."""
+    """What the client receives of a `collective_rpc` result (vLLM's encoder and decoder; the
+    engine core's output thread encodes into a buffer it reuses)."""
     outputs = EngineCoreOutputs(
         utility_output=UtilityOutput(call_id=1, result=UtilityResult(data)))
-    frames = [bytes(frame) for frame in MsgpackEncoder().encode(outputs)]
+    frames = [bytes(frame) for frame in MsgpackEncoder().encode_into(outputs, bytearray())]
     return MsgpackDecoder(EngineCoreOutputs).decode(frames).utility_output.result.result
 
 
@@ -41,11 +45,16 @@ def through_vllm_typed(data: wire.Collected) -> wire.Collected:
         return through_vllm(data)
 
 
-@pytest.mark.parametrize("transport", [through_vllm, through_vllm_typed,
-                                       lambda d: pickle.loads(pickle.dumps(d))])
-def test_saves_cross_unchanged(transport) -> None:
+def through_pickle(data: wire.Collected) -> wire.Collected:
+    return pickle.loads(pickle.dumps(data))
+
+
+@pytest.mark.parametrize(("transport", "views"), [
+    (through_vllm, False), (through_vllm_typed, False), (through_pickle, False),
+    (through_vllm, True), (through_vllm_typed, True), (lambda data: data, True)])
+def test_saves_cross_unchanged(transport, views: bool) -> None:
     sent = collected()
-    received = wire.decode(transport(wire.encode(sent)))
+    received = wire.decode(transport(wire.encode(sent, views=views)))
     assert received.keys() == sent.keys()
     for key, result in sent.items():
         assert received[key]["error"] == result["error"]
@@ -61,3 +70,32 @@ def test_saves_cross_unchanged(transport) -> None:
 def test_an_unknown_dtype_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'float7'"):
         wire.decode({"a": {"error": None, "saved": {"x": ["float7", [1], b"\0"]}}})
+
+
+def worker_with(backend: str, sent: wire.Collected) -> SimpleNamespace:
+    """What `WorkerRPC.interp_collect` reads of its worker, under an executor `backend`, with
+    `sent` its collection."""
+    return SimpleNamespace(
+        model_runner=SimpleNamespace(interp=SimpleNamespace(collect=lambda finished: sent)),
+        vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
+            distributed_executor_backend=backend)))
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray", "external_launcher"])
+def test_a_worker_whose_results_are_pickled_sends_bytes(backend: str) -> None:
+    sent = collected()
+    data = WorkerRPC.interp_collect(worker_with(backend, sent), [])  # type: ignore[arg-type]
+    assert type(data["a"]["saved"]["layers.0.layer_output"][2]) is bytes
+    received = wire.decode(through_vllm(through_pickle(data)))
+    assert torch.equal(received["a"]["saved"]["layers.0.mlp_neurons"],
+                       sent["a"]["saved"]["layers.0.mlp_neurons"])
+
+
+def test_a_worker_in_the_engine_core_process_sends_views_that_msgpack_carries() -> None:
+    sent = collected()
+    data = WorkerRPC.interp_collect(worker_with("uni", sent), [])  # type: ignore[arg-type]
+    assert type(data["a"]["saved"]["layers.0.layer_output"][2]) is memoryview
+    with pytest.raises(TypeError):
+        pickle.dumps(data)  # why only there: pickle refuses them
+    received = wire.decode(through_vllm(data))
+    assert torch.equal(received["a"]["saved"]["strided"], sent["a"]["saved"]["strided"])

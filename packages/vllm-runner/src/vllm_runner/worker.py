@@ -24,6 +24,7 @@ class WorkerRPC:
     """String-named RPCs the client calls with `collective_rpc` (plain data in and out)."""
 
     model_runner: Any
+    vllm_config: Any
 
     def interp_resolve(self, patterns: list[str]) -> dict[str, Any]:
         """Canonical locations for each pattern, or the error message that refuses it."""
@@ -41,7 +42,9 @@ class WorkerRPC:
         As plain data (`wire.encode`) for a client in another process; as the tensors
         themselves (`encoded=False`) for an in-process client, which saves the copies."""
         collected = self.model_runner.interp.collect(finished)
-        return wire.encode(collected) if encoded else dict(collected)
+        if not encoded:
+            return dict(collected)
+        return wire.encode(collected, views=results_reach_msgpack(self.vllm_config))
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
@@ -76,6 +79,13 @@ class WorkerRPC:
     def interp_forwards(self) -> dict[str, int]:
         """Forwards run so far, by path (`Runtime.forwards`)."""
         return dict(self.model_runner.interp.forwards)
+
+
+def results_reach_msgpack(vllm_config: Any) -> bool:
+    """Whether an RPC's result goes from this worker straight to vLLM's msgpack encoder: the
+    worker runs in the engine core's process (`UniProcExecutor`), not in a process of its own
+    whose results are pickled on the way (`mp`, `ray`; see `wire`)."""
+    return vllm_config.parallel_config.distributed_executor_backend == "uni"
 
 
 class InterpGPUWorker(WorkerRPC, GPUWorker):
