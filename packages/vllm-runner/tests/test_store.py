@@ -43,11 +43,16 @@ def test_collected_rows_own_their_memory_and_filters_apply() -> None:
 
 
 # 64 bytes: tensors over the staging buffer cross alone, window by window; 256: batches of a few
-# tensors of mixed dtypes; 2**20: all in one batch.
+# tensors of mixed dtypes; 2**20: all in one batch. Three landing threads (any batch over 16
+# bytes split between them) or one.
 @pytest.mark.parametrize("staging_bytes", [64, 256, 2**20])
-def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes) -> None:
+@pytest.mark.parametrize("landing_threads", [1, 3])
+def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes,
+                                                      landing_threads) -> None:
     monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
     monkeypatch.setattr(host_copies, "STAGING_BYTES", staging_bytes)
+    monkeypatch.setattr(host_copies, "LANDING_THREADS", landing_threads)
+    monkeypatch.setattr(host_copies, "PARALLEL_BYTES", 16)
     values = {"a": torch.randn(1, 5, 8), "b": torch.randn(8, 5).t().unsqueeze(0),  # strided
               "c": torch.randint(0, 9, (1, 5, 3)), "d": torch.randn(1, 5, 2).bfloat16()}
     store = SaveStore()
@@ -62,6 +67,22 @@ def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes
             assert saved[location].untyped_storage().data_ptr() != value.data_ptr()
             own = saved[location].numel() * saved[location].element_size()
             assert saved[location].untyped_storage().nbytes() == own
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([torch.float32, torch.bfloat16,
+                                                               torch.int64, torch.uint8])),
+                max_size=6),
+       st.integers(1, 5), st.sampled_from([4, 16, 64]))
+def test_landing_over_threads_copies_every_byte_once(sizes, threads, parallel_bytes) -> None:
+    sources = [torch.randint(0, 100, (size,)).to(dtype) for size, dtype in sizes]
+    destinations = [torch.full_like(source, -1) for source in sources]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_copies, "LANDING_THREADS", threads)
+        patch.setattr(host_copies, "PARALLEL_BYTES", parallel_bytes)
+        host_copies.land(list(zip(destinations, sources, strict=True)))
+    for destination, source in zip(destinations, sources, strict=True):
+        assert torch.equal(destination, source)
 
 
 class _OnADevice(torch.Tensor):
