@@ -12,7 +12,7 @@ import pytest
 import torch
 from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
-from vllm_runner import wire
+from vllm_runner import host_copies, wire
 from vllm_runner.worker import WorkerRPC
 
 
@@ -52,7 +52,10 @@ def through_pickle(data: wire.Collected) -> wire.Collected:
 @pytest.mark.parametrize(("transport", "views"), [
     (through_vllm, False), (through_vllm_typed, False), (through_pickle, False),
     (through_vllm, True), (through_vllm_typed, True), (lambda data: data, True)])
-def test_saves_cross_unchanged(transport, views: bool) -> None:
+@pytest.mark.parametrize("landing_threads", [1, 3])
+def test_saves_cross_unchanged(monkeypatch, transport, views: bool, landing_threads) -> None:
+    monkeypatch.setattr(host_copies, "LANDING_THREADS", landing_threads)
+    monkeypatch.setattr(host_copies, "PARALLEL_BYTES", 16)  # three threads copy into each
     sent = collected()
     received = wire.decode(transport(wire.encode(sent, views=views)))
     assert received.keys() == sent.keys()
@@ -70,6 +73,11 @@ def test_saves_cross_unchanged(transport, views: bool) -> None:
 def test_an_unknown_dtype_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'float7'"):
         wire.decode({"a": {"error": None, "saved": {"x": ["float7", [1], b"\0"]}}})
+
+
+def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"shape \[2, 3\] came with 4 bytes instead of 24"):
+        wire.decode({"a": {"error": None, "saved": {"x": ["float32", [2, 3], b"\0" * 4]}}})
 
 
 def worker_with(backend: str, sent: wire.Collected) -> SimpleNamespace:
