@@ -5,15 +5,25 @@ the whole way."""
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
+import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
-from vllm_runner import host_copies, wire
+from vllm_runner import host_copies, shm_files, wire
+from vllm_runner.settings import SHARED_SAVES_VARIABLE, shared_saves_host
 from vllm_runner.worker import WorkerRPC
+
+
+def left_behind() -> list[str]:
+    """This process's files in shared memory that still exist."""
+    return [name for name in os.listdir(shm_files.DIRECTORY)
+            if name.startswith(f"vllm-interp-{os.getpid()}-")]
 
 
 def collected() -> wire.Collected:
@@ -53,11 +63,17 @@ def through_pickle(data: wire.Collected) -> wire.Collected:
     (through_vllm, False), (through_vllm_typed, False), (through_pickle, False),
     (through_vllm, True), (through_vllm_typed, True), (lambda data: data, True)])
 @pytest.mark.parametrize("landing_threads", [1, 3])
-def test_saves_cross_unchanged(monkeypatch, transport, views: bool, landing_threads) -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_saves_cross_unchanged(monkeypatch, transport, views: bool, landing_threads,
+                               shared: bool) -> None:
     monkeypatch.setattr(host_copies, "LANDING_THREADS", landing_threads)
     monkeypatch.setattr(host_copies, "PARALLEL_BYTES", 16)  # three threads copy into each
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)  # every request with saves gets a file
     sent = collected()
-    received = wire.decode(transport(wire.encode(sent, views=views)))
+    data = wire.encode(sent, views=views, shared=shared)
+    assert bool(data["a"]["segment"]) == shared and data["b"]["segment"] is None  # none saved
+    received = wire.decode(transport(data))
+    assert not left_behind()
     assert received.keys() == sent.keys()
     for key, result in sent.items():
         assert received[key]["error"] == result["error"]
@@ -80,13 +96,69 @@ def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
         wire.decode({"a": {"error": None, "saved": {"x": ["float32", [2, 3], b"\0" * 4]}}})
 
 
-def worker_with(backend: str, sent: wire.Collected) -> SimpleNamespace:
+def test_where_shared_memory_has_no_room_saves_go_in_the_message(monkeypatch) -> None:
+    def full(descriptor: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    sent = collected()
+    data = wire.encode(sent, shared=True)
+    assert data["a"]["segment"] is None and not left_behind()
+    assert torch.equal(wire.decode(through_vllm(data))["a"]["saved"]["strided"],
+                       sent["a"]["saved"]["strided"])
+
+
+def test_a_client_that_cannot_decode_still_removes_every_file(monkeypatch) -> None:
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    sent = {key: collected()["a"] for key in ("first", "second", "third")}
+    data = through_vllm(wire.encode(sent, shared=True))
+    data["second"]["saved"]["strided"][0] = "float7"
+    assert len(left_behind()) == 3
+    with pytest.raises(ValueError, match="'float7'"):
+        wire.decode(data)
+    assert not left_behind()
+
+
+def test_a_file_this_process_cannot_open_is_named_with_the_way_around_it() -> None:
+    missing = os.path.join(shm_files.DIRECTORY, "vllm-interp-gone")
+    with pytest.raises(RuntimeError, match=f"{missing}.*{SHARED_SAVES_VARIABLE}=0"):
+        shm_files.attach(missing, 64)
+    assert not os.path.exists(missing)  # not made by looking for it
+
+
+def test_shared_memory_is_offered_unless_the_setting_says_0(monkeypatch) -> None:
+    assert shared_saves_host() == socket.gethostname()
+    monkeypatch.setenv(SHARED_SAVES_VARIABLE, "0")
+    assert shared_saves_host() is None
+    monkeypatch.setenv(SHARED_SAVES_VARIABLE, "yes")
+    with pytest.raises(ValueError, match=f"{SHARED_SAVES_VARIABLE}='yes' must be 1"):
+        shared_saves_host()
+
+
+def worker_with(backend: str, sent: wire.Collected, world_size: int = 1) -> SimpleNamespace:
     """What `WorkerRPC.interp_collect` reads of its worker, under an executor `backend`, with
     `sent` its collection."""
     return SimpleNamespace(
         model_runner=SimpleNamespace(interp=SimpleNamespace(collect=lambda finished: sent)),
         vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
-            distributed_executor_backend=backend)))
+            distributed_executor_backend=backend, world_size=world_size)))
+
+
+@pytest.mark.parametrize(("host", "world_size", "through_a_file"), [
+    (socket.gethostname(), 1, True), ("another-host", 1, False), (None, 1, False),
+    (socket.gethostname(), 2, False)])
+def test_a_worker_writes_a_file_only_for_a_client_on_its_host_and_alone(
+        monkeypatch, host: str | None, world_size: int, through_a_file: bool) -> None:
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    sent = collected()
+    worker = worker_with("mp", sent, world_size)
+    data = WorkerRPC.interp_collect(worker, [], True, host)  # type: ignore[arg-type]
+    assert bool(data["a"]["segment"]) == through_a_file
+    received = wire.decode(through_vllm(through_pickle(data)))
+    assert torch.equal(received["a"]["saved"]["layers.0.mlp_neurons"],
+                       sent["a"]["saved"]["layers.0.mlp_neurons"])
+    assert not left_behind()
 
 
 @pytest.mark.parametrize("backend", ["mp", "ray", "external_launcher"])

@@ -37,6 +37,7 @@ from vllm_runner.settings import (
     device_saves_limit,
     read_mode,
     refused_taps_message,
+    shared_saves_host,
     taps_config,
 )
 from vllm_runner.trace import Trace
@@ -473,7 +474,8 @@ class LLM:
         if not finished:
             return
         in_process = vllm_client.runs_in_process(self.engine)
-        (data, *_) = self._rpc("interp_collect", (finished, not in_process))
+        (data, *_) = self._rpc("interp_collect", (finished, not in_process,
+                                                  None if in_process else shared_saves_host()))
         collected = data if in_process else wire.decode(data)
         for output in outputs:
             program_id = program_ids.get(output.request_id)

@@ -22,6 +22,7 @@ from vllm_runner.program import encode_ops, program_digest
 from vllm_runner.runtime import finished_request
 from vllm_runner.server_requests import Plan
 from vllm_runner.server_settings import ServerSettings
+from vllm_runner.settings import shared_saves_host
 from vllm_runner.value_shapes import (
     ValueShape,
     check_tensors_fit,
@@ -158,7 +159,8 @@ class ServerState:
         finished = [finished_request(program_id, prompt_lengths.get(index, 0),
                                      generated.get(index, 0))
                     for index, program_id in enumerate(plan.program_ids)]
-        (data, *_) = await self.engine.collective_rpc("interp_collect", args=(finished, True))
+        (data, *_) = await self.engine.collective_rpc(
+            "interp_collect", args=(finished, True, shared_saves_host()))
         collected = wire.decode(data)
         return [collected.get(program_id, {}) for program_id in plan.program_ids]
 

@@ -8,6 +8,7 @@ for the workers is therefore an environment variable, set before the engine star
 from __future__ import annotations
 
 import os
+import socket
 from typing import cast
 
 from tokenspan import READ_MODES, ReadMode
@@ -32,6 +33,22 @@ def refused_taps_message(refused: dict[str, str]) -> str:
     `LLM` raises and what stops `vllm-interp serve`, rather than start with a tap that would
     never serve."""
     return "; ".join(f"tap {pattern!r}: {reason}" for pattern, reason in refused.items())
+
+
+#: Whether saves cross from an engine core in a process of its own to its client through files in
+#: shared memory ("1", the default: `shm_files`) or inside vLLM's messages ("0").
+SHARED_SAVES_VARIABLE = "VLLM_INTERP_SHARED_SAVES"
+
+
+def shared_saves_host() -> str | None:
+    """This host's name, which a worker compares with its own before it sends saves through
+    shared memory (a file on another host could not be opened), or `None` where the
+    `VLLM_INTERP_SHARED_SAVES` setting is "0"."""
+    given = os.environ.get(SHARED_SAVES_VARIABLE, "1")
+    if given not in ("0", "1"):
+        raise ValueError(f"{SHARED_SAVES_VARIABLE}={given!r} must be 1 (saves through shared "
+                         "memory, the default) or 0 (inside vLLM's messages)")
+    return socket.gethostname() if given == "1" else None
 
 
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).

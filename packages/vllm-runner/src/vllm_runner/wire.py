@@ -15,6 +15,9 @@ pickled to the engine core first, and pickle refuses memoryviews: there they tra
 The client copies each tensor out of the received message into memory of its own, on several
 threads at once (`host_copies.land`): like the worker's copies out of its staging buffer, these
 write fresh pages, one thread's ~3.5 GB/s on the H200's host.
+
+A client on the worker's host with a single worker takes large saves through files in shared
+memory instead (`shm_files`): one copy in the worker, none in the client.
 """
 
 from __future__ import annotations
@@ -24,38 +27,125 @@ from typing import Any
 
 import torch
 
-from vllm_runner import host_copies
+from vllm_runner import host_copies, shm_files
 
 # One collection: program id -> {"error": str | None, "saved": {location: tensor}}.
 Collected = dict[str, dict[str, Any]]
 
 
-def encode(collected: Collected, views: bool = False) -> Collected:
+#: A request's saves smaller than this go inside the message even where shared memory is offered:
+#: a file costs tens of microseconds to make, map and remove.
+SHARED_MIN_BYTES = 2**20
+_ALIGN = 64  # bytes: every tensor in a file starts where any dtype can be viewed
+
+
+def encode(collected: Collected, views: bool = False, shared: bool = False) -> Collected:
     """`collected` with each host tensor replaced by `[dtype name, shape, raw bytes]`: `bytes`,
-    or with `views` a memoryview of the tensor's own memory (for msgpack only: see above)."""
-    return {program_id: {"error": result["error"],
-                         "saved": {location: _encode_tensor(tensor, views)
-                                   for location, tensor in result["saved"].items()}}
-            for program_id, result in collected.items()}
+    or with `views` a memoryview of the tensor's own memory (for msgpack only: see above).
+
+    With `shared` (the client runs on this host), a request whose saves come to
+    `SHARED_MIN_BYTES` or more has them written into a file in shared memory (`shm_files`),
+    named in its `"segment"` as `[path, bytes]`, and each tensor travels as `[dtype name,
+    shape, offset in the file]`; where shared memory has no room, in the message as above."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    encoded = {program_id: _encode_result(result, views, shared, copies)
+               for program_id, result in collected.items()}
+    host_copies.land(copies)
+    return encoded
 
 
 def decode(data: Collected) -> Collected:
-    """The inverse of `encode`: each request's tensors, each in memory of its own (writable:
-    the user may edit them in place), copied there all at once."""
+    """The inverse of `encode`: each request's tensors, writable (the user may edit them in
+    place) and in memory no one else writes: copied out of the message all at once, or views of
+    the request's file in shared memory, mapped and removed (its memory is freed with the last
+    of the request's tensors). Every file named in `data` is removed, even where decoding
+    fails."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    decoded = {program_id: {"error": result["error"],
-                            "saved": {location: _decode_tensor(encoded, copies)
-                                      for location, encoded in result["saved"].items()}}
-               for program_id, result in data.items()}
-    host_copies.land(copies)
+    segments = [result["segment"][0] for result in data.values() if result.get("segment")]
+    try:
+        decoded = {program_id: {"error": result["error"],
+                                "saved": _decode_saved(result, copies)}
+                   for program_id, result in data.items()}
+        host_copies.land(copies)
+    finally:
+        shm_files.remove(segments)
     return decoded
 
 
+def _encode_result(result: dict[str, Any], views: bool, shared: bool,
+                   copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """One request's result as plain data (see `encode`); copies into its file, if it gets one,
+    are added to `copies`."""
+    saved: dict[str, torch.Tensor] = result["saved"]
+    if shared:
+        offsets, size = _offsets(saved.values())
+        made = shm_files.create(size) if size >= SHARED_MIN_BYTES else None
+        if made is not None:
+            path, mapped = made
+            tensors = {}
+            for (location, tensor), offset in zip(saved.items(), offsets, strict=True):
+                flat = _flat_bytes(tensor)
+                copies.append((mapped[offset:offset + flat.numel()], flat))
+                tensors[location] = [_dtype_name(tensor), list(tensor.shape), offset]
+            return {"error": result["error"], "segment": [path, size], "saved": tensors}
+    return {"error": result["error"], "segment": None,
+            "saved": {location: _encode_tensor(tensor, views)
+                      for location, tensor in saved.items()}}
+
+
+def _offsets(tensors: Any) -> tuple[list[int], int]:
+    """Where each tensor starts in a file holding them all, and the file's size."""
+    offsets, size = [], 0
+    for tensor in tensors:
+        offsets.append(size)
+        size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _decode_saved(result: dict[str, Any], copies: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> dict[str, torch.Tensor]:
+    """One request's tensors: views of its file, or empty tensors whose copies out of the
+    message are added to `copies`."""
+    segment = result.get("segment")
+    if not segment:
+        return {location: _decode_tensor(encoded, copies)
+                for location, encoded in result["saved"].items()}
+    path, size = segment
+    mapped = shm_files.attach(path, size)
+    return {location: _view(mapped, encoded) for location, encoded in result["saved"].items()}
+
+
+def _view(mapped: torch.Tensor, encoded: list[Any]) -> torch.Tensor:
+    dtype, shape, offset = encoded
+    tensor = torch.empty(shape, dtype=_dtype(dtype))
+    size = tensor.numel() * tensor.element_size()
+    if not size:
+        return tensor
+    if not 0 <= offset <= mapped.numel() - size or offset % _ALIGN:
+        raise ValueError(f"a collected {dtype} tensor of shape {shape} lies at bytes "
+                         f"{offset}:{offset + size} of a file of {mapped.numel()}")
+    return mapped[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+
+
+def _dtype(name: str) -> torch.dtype:
+    kind = getattr(torch, name, None)
+    if not isinstance(kind, torch.dtype):
+        raise ValueError(f"collected saves name an unknown dtype {name!r}")
+    return kind
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
 def _encode_tensor(tensor: torch.Tensor, views: bool) -> list[Any]:
-    dtype = str(tensor.dtype).removeprefix("torch.")
     # The array keeps the tensor alive, and the memoryview the array, until the message is sent.
-    flat = tensor.contiguous().view(-1).view(torch.uint8).numpy()
-    return [dtype, list(tensor.shape), flat.data if views else flat.tobytes()]
+    flat = _flat_bytes(tensor).numpy()
+    return [_dtype_name(tensor), list(tensor.shape), flat.data if views else flat.tobytes()]
 
 
 def _decode_tensor(encoded: list[Any], copies: list[tuple[torch.Tensor, torch.Tensor]]
@@ -63,10 +153,7 @@ def _decode_tensor(encoded: list[Any], copies: list[tuple[torch.Tensor, torch.Te
     """An empty tensor of `encoded`'s dtype and shape, with the copy of its raw bytes into it
     added to `copies` (as 1-D byte tensors: destination, source)."""
     dtype, shape, raw = encoded
-    kind = getattr(torch, dtype, None)
-    if not isinstance(kind, torch.dtype):
-        raise ValueError(f"collected saves name an unknown dtype {dtype!r}")
-    tensor = torch.empty(shape, dtype=kind)
+    tensor = torch.empty(shape, dtype=_dtype(dtype))
     size = tensor.numel() * tensor.element_size()
     if len(memoryview(raw).cast("B")) != size:
         raise ValueError(f"a collected {dtype} tensor of shape {shape} came with "

@@ -10,6 +10,7 @@ must never import it.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
@@ -36,15 +37,21 @@ class WorkerRPC:
                 errors[pattern] = str(error)
         return {"resolved": resolved, "errors": errors}
 
-    def interp_collect(self, finished: list[Finished], encoded: bool = True) -> dict[str, Any]:
+    def interp_collect(self, finished: list[Finished], encoded: bool = True,
+                       shared_host: str | None = None) -> dict[str, Any]:
         """Saves and errors of finished requests (`runtime.Finished`), by program id.
 
-        As plain data (`wire.encode`) for a client in another process; as the tensors
-        themselves (`encoded=False`) for an in-process client, which saves the copies."""
+        As plain data (`wire.encode`) for a client in another process — large ones through
+        shared memory where the client runs on this host (`shared_host`, its host's name) and
+        this is the engine's only worker; as the tensors themselves (`encoded=False`) for an
+        in-process client, which saves the copies."""
         collected = self.model_runner.interp.collect(finished)
         if not encoded:
             return dict(collected)
-        return wire.encode(collected, views=results_reach_msgpack(self.vllm_config))
+        shared = (shared_host is not None and shared_host == socket.gethostname()
+                  and getattr(self.vllm_config.parallel_config, "world_size", 1) == 1)
+        return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
+                           shared=shared)
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
