@@ -97,10 +97,12 @@ def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
 
 
 def test_where_shared_memory_has_no_room_saves_go_in_the_message(monkeypatch) -> None:
-    def full(descriptor: int, offset: int, size: int) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(descriptor: int, data: memoryview, offset: int) -> int:
+        if offset:  # the first write fits, the second does not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return min(len(data), 8)  # a short write: the rest follows
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "pwrite", full)
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
     sent = collected()
     data = wire.encode(sent, shared=True)

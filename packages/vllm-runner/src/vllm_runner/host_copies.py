@@ -139,6 +139,18 @@ def land(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     list(_landing_pool().map(_copy_all, _shares(pairs, total, threads)))
 
 
+def in_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call's result, in order, the calls run side by side on the landing threads (for
+    work that writes fresh memory, as `land`'s copies do)."""
+    if len(calls) < 2 or LANDING_THREADS < 2:
+        return [call() for call in calls]
+    return list(_landing_pool().map(_called, calls))
+
+
+def _called(call: Callable[[], Any]) -> Any:
+    return call()
+
+
 def _shares(pairs: list[tuple[torch.Tensor, torch.Tensor]], total: int, threads: int
             ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """`pairs` cut into `threads` lists of slices of about `total / threads` bytes each, in

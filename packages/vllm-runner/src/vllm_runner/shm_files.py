@@ -5,8 +5,8 @@ With the engine core in a process of its own (vLLM's default on a GPU), saves se
 bytes were copied four more times after the worker had them (into the message, through the
 socket twice, out of the message): 0.13-0.16 s for 71 MB on the H200's host, against 0.016 s
 with the client in the engine core's process (Llama-1B, one layer saved for 64 requests,
-2026-12-04). Through a file the worker copies each tensor once, into pages the file already has
-(`posix_fallocate` reserves them, so a full `/dev/shm` is an error here, never a SIGBUS later),
+2026-12-04). Through a file the worker copies each tensor once, with `pwrite` (no mapping: a full
+`/dev/shm` is an error there, never a SIGBUS later; and no page is zeroed before it is written),
 and the client maps the file and unlinks it at once: the tensors are views of that mapping,
 memory of their own that is freed when the last of the request's tensors is.
 
@@ -18,40 +18,48 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import threading
 import uuid
 
 import torch
 
 DIRECTORY = "/dev/shm"
 _PREFIX = "vllm-interp-"
+_PRUNE_AT = 256  # files remembered before those their clients removed are forgotten
 _made: set[str] = set()  # this process's files not known to be gone yet
 _cleanup: list[bool] = []  # whether `remove_left_behind` is registered to run at exit
+_lock = threading.Lock()
 
 
-def create(size: int) -> tuple[str, torch.Tensor] | None:
-    """A new file of `size` bytes in shared memory and a 1-D byte tensor mapping it (writes go
-    to the file), or `None` where shared memory cannot hold it (no `/dev/shm`, too little room):
-    the caller sends the bytes another way."""
+def write(pieces: list[memoryview], size: int) -> str | None:
+    """A new file in shared memory holding `pieces` back to back (`size` bytes in all), or
+    `None` where shared memory cannot hold it (no `/dev/shm`, too little room): the caller
+    sends the bytes another way. Safe to call from several threads at once."""
     if size <= 0 or not os.path.isdir(DIRECTORY):
         return None
     path = os.path.join(DIRECTORY, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     try:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
     try:
-        os.posix_fallocate(descriptor, 0, size)
-    except OSError:
+        offset = 0
+        for piece in pieces:
+            remaining = piece.cast("B")
+            while remaining:
+                written = os.pwrite(descriptor, remaining, offset)
+                remaining, offset = remaining[written:], offset + written
+    except OSError:  # ENOSPC: a full /dev/shm says so here, never as a SIGBUS in a mapping
         _unlink(path)
         return None
     finally:
         os.close(descriptor)
     _remember(path)
-    return path, _mapped(path, size)
+    return path
 
 
 def attach(path: str, size: int) -> torch.Tensor:
-    """The file `create` made, mapped as a 1-D byte tensor of `size` bytes, and removed from
+    """The file `write` made, mapped as a 1-D byte tensor of `size` bytes, and removed from
     the file system (its memory stays until the tensor and every view of it are gone)."""
     try:
         found = os.stat(path).st_size
@@ -82,11 +90,13 @@ def _mapped(path: str, size: int) -> torch.Tensor:
 
 def _remember(path: str) -> None:
     """Keep `path` for removal at exit, forgetting files their clients have removed."""
-    if not _cleanup:
-        atexit.register(remove_left_behind)
-        _cleanup.append(True)
-    _made.difference_update([made for made in _made if not os.path.exists(made)])
-    _made.add(path)
+    with _lock:
+        if not _cleanup:
+            atexit.register(remove_left_behind)
+            _cleanup.append(True)
+        if len(_made) >= _PRUNE_AT:
+            _made.difference_update([made for made in _made if not os.path.exists(made)])
+        _made.add(path)
 
 
 def remove_left_behind() -> None:

@@ -22,6 +22,7 @@ memory instead (`shm_files`): one copy in the worker, none in the client.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -44,14 +45,17 @@ def encode(collected: Collected, views: bool = False, shared: bool = False) -> C
     or with `views` a memoryview of the tensor's own memory (for msgpack only: see above).
 
     With `shared` (the client runs on this host), a request whose saves come to
-    `SHARED_MIN_BYTES` or more has them written into a file in shared memory (`shm_files`),
-    named in its `"segment"` as `[path, bytes]`, and each tensor travels as `[dtype name,
-    shape, offset in the file]`; where shared memory has no room, in the message as above."""
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    encoded = {program_id: _encode_result(result, views, shared, copies)
-               for program_id, result in collected.items()}
-    host_copies.land(copies)
-    return encoded
+    `SHARED_MIN_BYTES` or more has them written into a file in shared memory (`shm_files`; the
+    requests' files on several threads), named in its `"segment"` as `[path, bytes]`, and each
+    tensor travels as `[dtype name, shape, offset in the file]`; where shared memory has no
+    room, in the message as above."""
+    large = [program_id for program_id, result in collected.items()
+             if shared and _offsets(result["saved"].values())[1] >= SHARED_MIN_BYTES]
+    paths = dict(zip(large, host_copies.in_parallel(
+        [functools.partial(_write_file, collected[program_id]["saved"])
+         for program_id in large]), strict=True))
+    return {program_id: _encode_result(result, views, paths.get(program_id))
+            for program_id, result in collected.items()}
 
 
 def decode(data: Collected) -> Collected:
@@ -72,25 +76,30 @@ def decode(data: Collected) -> Collected:
     return decoded
 
 
-def _encode_result(result: dict[str, Any], views: bool, shared: bool,
-                   copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-    """One request's result as plain data (see `encode`); copies into its file, if it gets one,
-    are added to `copies`."""
+def _encode_result(result: dict[str, Any], views: bool, path: str | None) -> dict[str, Any]:
+    """One request's result as plain data (see `encode`): its tensors in the message, or where
+    `_write_file` wrote them into the file at `path`."""
     saved: dict[str, torch.Tensor] = result["saved"]
-    if shared:
-        offsets, size = _offsets(saved.values())
-        made = shm_files.create(size) if size >= SHARED_MIN_BYTES else None
-        if made is not None:
-            path, mapped = made
-            tensors = {}
-            for (location, tensor), offset in zip(saved.items(), offsets, strict=True):
-                flat = _flat_bytes(tensor)
-                copies.append((mapped[offset:offset + flat.numel()], flat))
-                tensors[location] = [_dtype_name(tensor), list(tensor.shape), offset]
-            return {"error": result["error"], "segment": [path, size], "saved": tensors}
-    return {"error": result["error"], "segment": None,
-            "saved": {location: _encode_tensor(tensor, views)
-                      for location, tensor in saved.items()}}
+    if path is None:
+        return {"error": result["error"], "segment": None,
+                "saved": {location: _encode_tensor(tensor, views)
+                          for location, tensor in saved.items()}}
+    offsets, size = _offsets(saved.values())
+    return {"error": result["error"], "segment": [path, size],
+            "saved": {location: [_dtype_name(tensor), list(tensor.shape), offset]
+                      for (location, tensor), offset in zip(saved.items(), offsets,
+                                                            strict=True)}}
+
+
+def _write_file(saved: dict[str, torch.Tensor]) -> str | None:
+    """A file in shared memory holding `saved`'s tensors at `_offsets`, or `None`."""
+    pieces: list[memoryview] = []
+    for tensor in saved.values():
+        flat = _flat_bytes(tensor).numpy()
+        pieces.append(flat.data)
+        if padding := -flat.size % _ALIGN:
+            pieces.append(memoryview(bytes(padding)))
+    return shm_files.write(pieces, _offsets(saved.values())[1])
 
 
 def _offsets(tensors: Any) -> tuple[list[int], int]:
