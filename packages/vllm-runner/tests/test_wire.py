@@ -122,6 +122,26 @@ def test_a_client_that_cannot_decode_still_removes_every_file(monkeypatch) -> No
     assert not left_behind()
 
 
+def test_files_no_client_opens_are_removed_once_abandoned(monkeypatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(shm_files.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(shm_files, "_made", {})
+    monkeypatch.setattr(shm_files, "_pruned", [0.0])
+    piece = [memoryview(bytes(64))]
+    abandoned, opened = shm_files.write(piece, 64), shm_files.write(piece, 64)
+    assert abandoned and opened
+    shm_files.attach(opened, 64)  # a client took this one
+    clock[0] += shm_files.ABANDONED_AFTER_S - 1
+    young = shm_files.write(piece, 64)
+    assert young and os.path.exists(abandoned)  # not yet abandoned
+    clock[0] += shm_files._PRUNE_EVERY_S  # the files are looked at again no sooner
+    latest = shm_files.write(piece, 64)
+    assert latest and not os.path.exists(abandoned)
+    assert set(shm_files._made) == {young, latest}  # the opened one forgotten, the rest kept
+    shm_files.remove_left_behind()
+    assert not left_behind()
+
+
 def test_a_file_this_process_cannot_open_is_named_with_the_way_around_it() -> None:
     missing = os.path.join(shm_files.DIRECTORY, "vllm-interp-gone")
     with pytest.raises(RuntimeError, match=f"{missing}.*{SHARED_SAVES_VARIABLE}=0"):

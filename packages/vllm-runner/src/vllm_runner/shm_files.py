@@ -10,7 +10,10 @@ with the client in the engine core's process (Llama-1B, one layer saved for 64 r
 and the client maps the file and unlinks it at once: the tensors are views of that mapping,
 memory of their own that is freed when the last of the request's tensors is.
 
-A file the client never opened (it died first) is removed when the worker's process exits.
+A file no client opened (it died, or its task was cancelled while the result was on its way) is
+removed after `ABANDONED_AFTER_S` — a client maps its files within milliseconds — or when the
+worker's process exits, so a long-running server cannot fill `/dev/shm` (which vLLM's own
+message queues use) with saves nobody will read.
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ import atexit
 import contextlib
 import os
 import threading
+import time
 import uuid
 
 import torch
 
 DIRECTORY = "/dev/shm"
 _PREFIX = "vllm-interp-"
-_PRUNE_AT = 256  # files remembered before those their clients removed are forgotten
-_made: set[str] = set()  # this process's files not known to be gone yet
+#: Seconds after which a file no client has opened is taken as abandoned and removed.
+ABANDONED_AFTER_S = 600.0
+_PRUNE_EVERY_S = 30.0  # how often the files made are looked at again
+_made: dict[str, float] = {}  # this process's files not known to be gone yet: when made
+_pruned: list[float] = [0.0]  # when they were last looked at
 _cleanup: list[bool] = []  # whether `remove_left_behind` is registered to run at exit
 _lock = threading.Lock()
 
@@ -89,21 +96,29 @@ def _mapped(path: str, size: int) -> torch.Tensor:
 
 
 def _remember(path: str) -> None:
-    """Keep `path` for removal at exit, forgetting files their clients have removed."""
+    """Keep `path` for removal at exit; now and then forget the files clients have removed and
+    remove those abandoned (see above)."""
+    now = time.monotonic()
     with _lock:
         if not _cleanup:
             atexit.register(remove_left_behind)
             _cleanup.append(True)
-        if len(_made) >= _PRUNE_AT:
-            _made.difference_update([made for made in _made if not os.path.exists(made)])
-        _made.add(path)
+        if now - _pruned[0] >= _PRUNE_EVERY_S:
+            _pruned[0] = now
+            for made, when in list(_made.items()):
+                if now - when >= ABANDONED_AFTER_S:
+                    _unlink(made)
+                if now - when >= ABANDONED_AFTER_S or not os.path.exists(made):
+                    del _made[made]
+        _made[path] = now
 
 
 def remove_left_behind() -> None:
     """Remove this process's files that no client opened (registered at exit)."""
-    for path in list(_made):
-        _unlink(path)
-    _made.clear()
+    with _lock:
+        for path in list(_made):
+            _unlink(path)
+        _made.clear()
 
 
 def _unlink(path: str) -> None:
