@@ -6,17 +6,19 @@ the whole way."""
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import pickle
-import socket
+import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 from vllm_runner import host_copies, shm_files, wire
-from vllm_runner.settings import SHARED_SAVES_VARIABLE, shared_saves_host
+from vllm_runner.settings import SHARED_SAVES_VARIABLE, shared_saves_memory
 from vllm_runner.worker import WorkerRPC
 
 
@@ -125,21 +127,70 @@ def test_a_client_that_cannot_decode_still_removes_every_file(monkeypatch) -> No
 def test_files_no_client_opens_are_removed_once_abandoned(monkeypatch) -> None:
     clock = [1000.0]
     monkeypatch.setattr(shm_files.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(shm_files, "_made", {})
-    monkeypatch.setattr(shm_files, "_pruned", [0.0])
+    monkeypatch.setattr(shm_files, "_made", None)
     piece = [memoryview(bytes(64))]
     abandoned, opened = shm_files.write(piece, 64), shm_files.write(piece, 64)
     assert abandoned and opened
     shm_files.attach(opened, 64)  # a client took this one
-    clock[0] += shm_files.ABANDONED_AFTER_S - 1
+    # Another process's file, killed before its exit could remove it.
+    killed = os.path.join(shm_files.DIRECTORY, "vllm-interp-999999999-killed")
+    with open(killed, "wb") as file:
+        file.write(bytes(64))
+    long_ago = time.time() - shm_files.ABANDONED_AFTER_S - 1
+    for path in (abandoned, killed):
+        os.utime(path, (long_ago, long_ago))
     young = shm_files.write(piece, 64)
-    assert young and os.path.exists(abandoned)  # not yet abandoned
-    clock[0] += shm_files._PRUNE_EVERY_S  # the files are looked at again no sooner
+    assert young and os.path.exists(abandoned)  # the directory was looked at too recently
+    clock[0] += shm_files._PRUNE_EVERY_S
     latest = shm_files.write(piece, 64)
-    assert latest and not os.path.exists(abandoned)
-    assert set(shm_files._made) == {young, latest}  # the opened one forgotten, the rest kept
+    assert latest and not os.path.exists(abandoned) and not os.path.exists(killed)
+    assert shm_files._made is not None
+    assert shm_files._made.paths == {young, latest}  # the opened one forgotten, the rest kept
     shm_files.remove_left_behind()
     assert not left_behind()
+
+
+def test_a_process_removes_its_unopened_files_when_it_exits_and_no_one_else_s() -> None:
+    parent_file = shm_files.write([memoryview(bytes(64))], 64)
+    assert parent_file
+    for method in ("fork", "spawn"):
+        context = multiprocessing.get_context(method)
+        written = context.Queue()
+        child = context.Process(target=_write_a_file_and_exit, args=(written,))
+        child.start()
+        child_file = written.get(timeout=120)
+        child.join(timeout=120)
+        assert child.exitcode == 0, method
+        assert not os.path.exists(child_file), method  # the child removed its own file
+        assert os.path.exists(parent_file), method  # and not the one it inherited the name of
+    shm_files.remove_left_behind()
+    assert not left_behind()
+
+
+def _write_a_file_and_exit(written: Any) -> None:
+    written.put(shm_files.write([memoryview(bytes(64))], 64))
+
+
+def test_a_write_stopped_by_an_interruption_leaves_no_file(monkeypatch) -> None:
+    def interrupted(descriptor: int, data: memoryview, offset: int) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "pwrite", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        shm_files.write([memoryview(bytes(64))], 64)
+    assert not left_behind()
+
+
+def test_saves_go_in_the_message_where_a_file_would_leave_shared_memory_short(
+        monkeypatch) -> None:
+    room = os.statvfs(shm_files.DIRECTORY)
+    free = room.f_bavail * room.f_frsize
+    keep = max(shm_files.KEEP_FREE_BYTES, room.f_blocks * room.f_frsize // 4)
+    assert shm_files.write([memoryview(bytes(64))], free - keep + 1) is None
+    assert not left_behind()
+    monkeypatch.setattr(shm_files, "KEEP_FREE_BYTES", free)
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    assert wire.encode(collected(), shared=True)["a"]["segment"] is None
 
 
 def test_a_file_this_process_cannot_open_is_named_with_the_way_around_it() -> None:
@@ -150,12 +201,12 @@ def test_a_file_this_process_cannot_open_is_named_with_the_way_around_it() -> No
 
 
 def test_shared_memory_is_offered_unless_the_setting_says_0(monkeypatch) -> None:
-    assert shared_saves_host() == socket.gethostname()
+    assert shared_saves_memory() == shm_files.identity() is not None
     monkeypatch.setenv(SHARED_SAVES_VARIABLE, "0")
-    assert shared_saves_host() is None
+    assert shared_saves_memory() is None
     monkeypatch.setenv(SHARED_SAVES_VARIABLE, "yes")
     with pytest.raises(ValueError, match=f"{SHARED_SAVES_VARIABLE}='yes' must be 1"):
-        shared_saves_host()
+        shared_saves_memory()
 
 
 def worker_with(backend: str, sent: wire.Collected, world_size: int = 1) -> SimpleNamespace:
@@ -167,15 +218,26 @@ def worker_with(backend: str, sent: wire.Collected, world_size: int = 1) -> Simp
             distributed_executor_backend=backend, world_size=world_size)))
 
 
-@pytest.mark.parametrize(("host", "world_size", "through_a_file"), [
-    (socket.gethostname(), 1, True), ("another-host", 1, False), (None, 1, False),
-    (socket.gethostname(), 2, False)])
-def test_a_worker_writes_a_file_only_for_a_client_on_its_host_and_alone(
-        monkeypatch, host: str | None, world_size: int, through_a_file: bool) -> None:
+def elsewhere(tmp_path: Any) -> str | None:
+    """The identity of shared memory in another place (another container's, on this host)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shm_files, "DIRECTORY", str(tmp_path))
+        return shm_files.identity()
+
+
+@pytest.mark.parametrize(("client", "world_size", "through_a_file"), [
+    ("same", 1, True), ("another-host", 1, False), ("another-directory", 1, False),
+    (None, 1, False), ("same", 2, False)])
+def test_a_worker_writes_a_file_only_for_a_client_seeing_its_shared_memory_and_alone(
+        monkeypatch, tmp_path, client: str | None, world_size: int,
+        through_a_file: bool) -> None:
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
     sent = collected()
     worker = worker_with("mp", sent, world_size)
-    data = WorkerRPC.interp_collect(worker, [], True, host)  # type: ignore[arg-type]
+    memory = {"same": shm_files.identity(), "another-directory": elsewhere(tmp_path),
+              "another-host": f"another-host:{shm_files.identity()}", None: None}[client]
+    assert memory is None or (memory == shm_files.identity()) == (client == "same")
+    data = WorkerRPC.interp_collect(worker, [], True, memory)  # type: ignore[arg-type]
     assert bool(data["a"]["segment"]) == through_a_file
     received = wire.decode(through_vllm(through_pickle(data)))
     assert torch.equal(received["a"]["saved"]["layers.0.mlp_neurons"],

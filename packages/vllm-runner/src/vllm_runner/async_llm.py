@@ -25,7 +25,7 @@ from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
 from vllm_runner.runtime import finished_request
-from vllm_runner.settings import shared_saves_host
+from vllm_runner.settings import shared_saves_memory
 
 logger = logging.getLogger("vllm.interp")
 
@@ -113,7 +113,7 @@ class AsyncLLM:
         generated = len(output.outputs[0].token_ids) if output.outputs else 0
         finished = [finished_request(program_id, len(output.prompt_token_ids or ()), generated)]
         (data, *_) = await self.engine.collective_rpc(
-            "interp_collect", args=(finished, True, shared_saves_host()))
+            "interp_collect", args=(finished, True, shared_saves_memory()))
         result = wire.decode(data).get(program_id, {})
         _with_results(output, result.get("saved", {}), result.get("error"))
         if output.error is not None:

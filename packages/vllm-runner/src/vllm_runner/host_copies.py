@@ -17,6 +17,7 @@ the faults are taken on several cores at once.
 from __future__ import annotations
 
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Callable, MutableMapping, MutableSequence
 from concurrent.futures import ThreadPoolExecutor
@@ -178,6 +179,15 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by process id
+_starting = threading.Lock()  # two threads' first large batches must not start two pools
+
+
+def _new_starting_lock() -> None:
+    global _starting
+    _starting = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_starting_lock)
 
 
 def _landing_pool() -> ThreadPoolExecutor:
@@ -185,6 +195,9 @@ def _landing_pool() -> ThreadPoolExecutor:
     pool per process (a forked child has the parent's pool object but none of its threads)."""
     pool = _POOLS.get(os.getpid())
     if pool is None:
-        pool = _POOLS[os.getpid()] = ThreadPoolExecutor(LANDING_THREADS,
-                                                        thread_name_prefix="interp-land")
+        with _starting:
+            pool = _POOLS.get(os.getpid())
+            if pool is None:
+                pool = _POOLS[os.getpid()] = ThreadPoolExecutor(
+                    LANDING_THREADS, thread_name_prefix="interp-land")
     return pool

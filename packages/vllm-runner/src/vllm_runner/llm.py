@@ -37,7 +37,7 @@ from vllm_runner.settings import (
     device_saves_limit,
     read_mode,
     refused_taps_message,
-    shared_saves_host,
+    shared_saves_memory,
     taps_config,
 )
 from vllm_runner.trace import Trace
@@ -89,6 +89,7 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
         os.environ[DEVICE_SAVES_VARIABLE] = str(interp_device_saves_mib)
     read_mode()
     device_saves_limit()
+    shared_saves_memory()
     from vllm.platforms import current_platform
 
     if engine.get("enforce_eager") is None and eager_by_default(current_platform.is_cpu()):
@@ -475,7 +476,7 @@ class LLM:
             return
         in_process = vllm_client.runs_in_process(self.engine)
         (data, *_) = self._rpc("interp_collect", (finished, not in_process,
-                                                  None if in_process else shared_saves_host()))
+                                                  None if in_process else shared_saves_memory()))
         collected = data if in_process else wire.decode(data)
         for output in outputs:
             program_id = program_ids.get(output.request_id)

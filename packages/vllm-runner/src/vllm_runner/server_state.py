@@ -22,7 +22,7 @@ from vllm_runner.program import encode_ops, program_digest
 from vllm_runner.runtime import finished_request
 from vllm_runner.server_requests import Plan
 from vllm_runner.server_settings import ServerSettings
-from vllm_runner.settings import shared_saves_host
+from vllm_runner.settings import shared_saves_memory
 from vllm_runner.value_shapes import (
     ValueShape,
     check_tensors_fit,
@@ -160,7 +160,7 @@ class ServerState:
                                      generated.get(index, 0))
                     for index, program_id in enumerate(plan.program_ids)]
         (data, *_) = await self.engine.collective_rpc(
-            "interp_collect", args=(finished, True, shared_saves_host()))
+            "interp_collect", args=(finished, True, shared_saves_memory()))
         collected = wire.decode(data)
         return [collected.get(program_id, {}) for program_id in plan.program_ids]
 

@@ -8,10 +8,11 @@ for the workers is therefore an environment variable, set before the engine star
 from __future__ import annotations
 
 import os
-import socket
 from typing import cast
 
 from tokenspan import READ_MODES, ReadMode
+
+from vllm_runner import shm_files
 
 #: Where an engine's taps (`LLM(taps=...)`) travel to its workers: a key of vLLM's
 #: `additional_config`, which is the engine's own (an environment variable would reach every
@@ -40,15 +41,15 @@ def refused_taps_message(refused: dict[str, str]) -> str:
 SHARED_SAVES_VARIABLE = "VLLM_INTERP_SHARED_SAVES"
 
 
-def shared_saves_host() -> str | None:
-    """This host's name, which a worker compares with its own before it sends saves through
-    shared memory (a file on another host could not be opened), or `None` where the
-    `VLLM_INTERP_SHARED_SAVES` setting is "0"."""
+def shared_saves_memory() -> str | None:
+    """Which shared memory this process sees (`shm_files.identity`), which a worker compares
+    with its own before it sends saves through it (a file it wrote elsewhere could not be
+    opened here), or `None` where the `VLLM_INTERP_SHARED_SAVES` setting is "0"."""
     given = os.environ.get(SHARED_SAVES_VARIABLE, "1")
     if given not in ("0", "1"):
         raise ValueError(f"{SHARED_SAVES_VARIABLE}={given!r} must be 1 (saves through shared "
                          "memory, the default) or 0 (inside vLLM's messages)")
-    return socket.gethostname() if given == "1" else None
+    return shm_files.identity() if given == "1" else None
 
 
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).

@@ -10,17 +10,23 @@ with the client in the engine core's process (Llama-1B, one layer saved for 64 r
 and the client maps the file and unlinks it at once: the tensors are views of that mapping,
 memory of their own that is freed when the last of the request's tensors is.
 
+Shared memory is shared with vLLM's own message queues and with every other program on the host,
+and saves a client keeps stay in it: a file is written only while a quarter of `/dev/shm` (at
+least `KEEP_FREE_BYTES`) would stay free after it; otherwise the saves go inside the message.
 A file no client opened (it died, or its task was cancelled while the result was on its way) is
-removed after `ABANDONED_AFTER_S` — a client maps its files within milliseconds — or when the
-worker's process exits, so a long-running server cannot fill `/dev/shm` (which vLLM's own
-message queues use) with saves nobody will read.
+removed by the first write `ABANDONED_AFTER_S` after it was made — a client maps its files within
+milliseconds — whichever process made it (one killed cannot clean up), and a worker's files are
+removed when its process exits.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
+import multiprocessing.util
 import os
+import socket
 import threading
 import time
 import uuid
@@ -31,24 +37,75 @@ DIRECTORY = "/dev/shm"
 _PREFIX = "vllm-interp-"
 #: Seconds after which a file no client has opened is taken as abandoned and removed.
 ABANDONED_AFTER_S = 600.0
-_PRUNE_EVERY_S = 30.0  # how often the files made are looked at again
-_made: dict[str, float] = {}  # this process's files not known to be gone yet: when made
-_pruned: list[float] = [0.0]  # when they were last looked at
-_cleanup: list[bool] = []  # whether `remove_left_behind` is registered to run at exit
-_lock = threading.Lock()
+#: Bytes of shared memory a file may never eat into (at least; a quarter of it if that is more).
+KEEP_FREE_BYTES = 256 * 2**20
+_PRUNE_EVERY_S = 30.0  # how often the directory is looked at for abandoned files
+
+
+class _Made:
+    """This process's files not known to be gone yet (for removal at exit), and when the
+    directory was last pruned; made anew in a forked child, which owns none of them."""
+
+    def __init__(self) -> None:
+        self.paths: set[str] = set()
+        self.pruned = time.monotonic() - _PRUNE_EVERY_S  # the first write prunes
+        self.lock = threading.Lock()
+        self.owner = os.getpid()
+        # At exit: `atexit` for a main process, multiprocessing's finalizers for a process it
+        # started (a forked child leaves through `os._exit`, which runs no `atexit` handler).
+        atexit.register(remove_left_behind)
+        multiprocessing.util.Finalize(None, remove_left_behind, exitpriority=10)
+
+
+_made: _Made | None = None
+_making = threading.Lock()  # the first writes of a process may come on several threads at once
+
+
+def _new_making_lock() -> None:
+    global _making
+    _making = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_making_lock)
+
+
+def _state() -> _Made:
+    global _made
+    state = _made
+    if state is None or state.owner != os.getpid():
+        with _making:
+            if _made is None or _made.owner != os.getpid():
+                _made = _Made()
+            state = _made
+    return state
+
+
+def identity() -> str | None:
+    """Which shared memory this process sees (host name, device and inode of `/dev/shm`), or
+    `None` where there is none: a worker writes files only for a client that sees the same (a
+    container on the same host, even with the host's name, may have its own)."""
+    try:
+        found = os.stat(DIRECTORY)
+    except OSError:
+        return None
+    return f"{socket.gethostname()}:{found.st_dev}:{found.st_ino}"
 
 
 def write(pieces: list[memoryview], size: int) -> str | None:
     """A new file in shared memory holding `pieces` back to back (`size` bytes in all), or
     `None` where shared memory cannot hold it (no `/dev/shm`, too little room): the caller
     sends the bytes another way. Safe to call from several threads at once."""
-    if size <= 0 or not os.path.isdir(DIRECTORY):
+    if size <= 0 or not _has_room(size):
         return None
+    state = _state()
+    _prune(state)
     path = os.path.join(DIRECTORY, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
+    with state.lock:
+        state.paths.add(path)
     try:
         offset = 0
         for piece in pieces:
@@ -56,12 +113,13 @@ def write(pieces: list[memoryview], size: int) -> str | None:
             while remaining:
                 written = os.pwrite(descriptor, remaining, offset)
                 remaining, offset = remaining[written:], offset + written
-    except OSError:  # ENOSPC: a full /dev/shm says so here, never as a SIGBUS in a mapping
-        _unlink(path)
-        return None
+    except BaseException as error:  # ENOSPC (never a SIGBUS later), or an interruption
+        _forget(state, path)
+        if isinstance(error, OSError):
+            return None
+        raise
     finally:
         os.close(descriptor)
-    _remember(path)
     return path
 
 
@@ -69,18 +127,21 @@ def attach(path: str, size: int) -> torch.Tensor:
     """The file `write` made, mapped as a 1-D byte tensor of `size` bytes, and removed from
     the file system (its memory stays until the tensor and every view of it are gone)."""
     try:
-        found = os.stat(path).st_size
+        descriptor = os.open(path, os.O_RDWR)  # never created: a missing file is an error
     except OSError as error:
         raise RuntimeError(
             f"saves were sent through {path}, which this process cannot open ({error}): is "
             "the engine core on another host? Set VLLM_INTERP_SHARED_SAVES=0 to send them "
             "through vLLM's socket") from error
     try:
-        if found != size:
+        found = os.fstat(descriptor).st_size
+        if found != size or size <= 0:
             raise RuntimeError(f"saves were sent through {path} of {size} bytes, but it holds "
                                f"{found}")
-        return _mapped(path, size)
+        # The tensor keeps the mapping alive; the mapping outlives the descriptor and the name.
+        return torch.frombuffer(mmap.mmap(descriptor, size), dtype=torch.uint8)
     finally:
+        os.close(descriptor)
         _unlink(path)
 
 
@@ -90,35 +151,49 @@ def remove(paths: list[str]) -> None:
         _unlink(path)
 
 
-def _mapped(path: str, size: int) -> torch.Tensor:
-    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=size)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
-
-
-def _remember(path: str) -> None:
-    """Keep `path` for removal at exit; now and then forget the files clients have removed and
-    remove those abandoned (see above)."""
-    now = time.monotonic()
-    with _lock:
-        if not _cleanup:
-            atexit.register(remove_left_behind)
-            _cleanup.append(True)
-        if now - _pruned[0] >= _PRUNE_EVERY_S:
-            _pruned[0] = now
-            for made, when in list(_made.items()):
-                if now - when >= ABANDONED_AFTER_S:
-                    _unlink(made)
-                if now - when >= ABANDONED_AFTER_S or not os.path.exists(made):
-                    del _made[made]
-        _made[path] = now
-
-
 def remove_left_behind() -> None:
-    """Remove this process's files that no client opened (registered at exit)."""
-    with _lock:
-        for path in list(_made):
-            _unlink(path)
-        _made.clear()
+    """Remove this process's files that no client opened (run at exit)."""
+    state = _made
+    if state is None or state.owner != os.getpid():
+        return
+    with state.lock:
+        paths, state.paths = state.paths, set()
+    for path in paths:
+        _unlink(path)
+
+
+def _has_room(size: int) -> bool:
+    try:
+        found = os.statvfs(DIRECTORY)
+    except OSError:
+        return False
+    total, free = found.f_blocks * found.f_frsize, found.f_bavail * found.f_frsize
+    return free - size >= max(KEEP_FREE_BYTES, total // 4)
+
+
+def _prune(state: _Made) -> None:
+    """At most every `_PRUNE_EVERY_S`: remove every file of ours in the directory not touched
+    for `ABANDONED_AFTER_S` (any process's), and forget this process's files clients removed."""
+    now = time.monotonic()
+    with state.lock:
+        if now - state.pruned < _PRUNE_EVERY_S:
+            return
+        state.pruned = now
+    oldest = time.time() - ABANDONED_AFTER_S
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(DIRECTORY):
+            if entry.name.startswith(_PREFIX):
+                with contextlib.suppress(OSError):
+                    if entry.stat().st_mtime < oldest:
+                        _unlink(entry.path)
+    with state.lock:
+        state.paths = {path for path in state.paths if os.path.exists(path)}
+
+
+def _forget(state: _Made, path: str) -> None:
+    _unlink(path)
+    with state.lock:
+        state.paths.discard(path)
 
 
 def _unlink(path: str) -> None:

@@ -30,7 +30,8 @@ import torch
 
 from vllm_runner import host_copies, shm_files
 
-# One collection: program id -> {"error": str | None, "saved": {location: tensor}}.
+# One collection: program id -> {"error": str | None, "saved": {location: tensor}}; encoded, each
+# result also names its `"segment"` in shared memory (`[path, bytes]`) or `None`.
 Collected = dict[str, dict[str, Any]]
 
 
@@ -65,7 +66,7 @@ def decode(data: Collected) -> Collected:
     of the request's tensors). Every file named in `data` is removed, even where decoding
     fails."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    segments = [result["segment"][0] for result in data.values() if result.get("segment")]
+    segments = _segment_paths(data)
     try:
         decoded = {program_id: {"error": result["error"],
                                 "saved": _decode_saved(result, copies)}
@@ -74,6 +75,15 @@ def decode(data: Collected) -> Collected:
     finally:
         shm_files.remove(segments)
     return decoded
+
+
+def _segment_paths(data: Any) -> list[str]:
+    """The files named in encoded `data`, however malformed the rest of it (they are removed
+    whatever happens to the decoding)."""
+    results = data.values() if isinstance(data, dict) else ()
+    segments = [result.get("segment") for result in results if isinstance(result, dict)]
+    return [segment[0] for segment in segments
+            if isinstance(segment, list | tuple) and segment and isinstance(segment[0], str)]
 
 
 def _encode_result(result: dict[str, Any], views: bool, path: str | None) -> dict[str, Any]:

@@ -10,12 +10,11 @@ must never import it.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
-from vllm_runner import wire
+from vllm_runner import shm_files, wire
 from vllm_runner.errors import LocationError
 from vllm_runner.runner_attach import attach
 from vllm_runner.runtime import Finished
@@ -38,17 +37,17 @@ class WorkerRPC:
         return {"resolved": resolved, "errors": errors}
 
     def interp_collect(self, finished: list[Finished], encoded: bool = True,
-                       shared_host: str | None = None) -> dict[str, Any]:
+                       shared_memory: str | None = None) -> dict[str, Any]:
         """Saves and errors of finished requests (`runtime.Finished`), by program id.
 
         As plain data (`wire.encode`) for a client in another process — large ones through
-        shared memory where the client runs on this host (`shared_host`, its host's name) and
-        this is the engine's only worker; as the tensors themselves (`encoded=False`) for an
-        in-process client, which saves the copies."""
+        shared memory where the client sees the same as this worker (`shared_memory`, its
+        `shm_files.identity`) and this is the engine's only worker; as the tensors themselves
+        (`encoded=False`) for an in-process client, which saves the copies."""
         collected = self.model_runner.interp.collect(finished)
         if not encoded:
             return dict(collected)
-        shared = (shared_host is not None and shared_host == socket.gethostname()
+        shared = (shared_memory is not None and shared_memory == shm_files.identity()
                   and getattr(self.vllm_config.parallel_config, "world_size", 1) == 1)
         return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
                            shared=shared)
