@@ -59,7 +59,7 @@ def one_collection(saves: list[torch.Tensor], shared: bool, staging: torch.Tenso
     data = timed("encode", lambda: wire.encode(collected, views=views, shared=shared))
     message = EngineCoreOutputs(utility_output=UtilityOutput(call_id=1,
                                                              result=UtilityResult(data)))
-    frames = timed("msgpack out", lambda: [bytes(frame) for frame in
+    frames = timed("msgpack out", lambda: [bytes(memoryview(frame)) for frame in  # type: ignore[arg-type]
                                            MsgpackEncoder().encode_into(message, bytearray())])
     received = timed("msgpack in", lambda: MsgpackDecoder(EngineCoreOutputs).decode(frames))
     decoded = timed("decode", lambda: wire.decode(received.utility_output.result.result))
