@@ -323,6 +323,30 @@ def test_an_arenas_blocks_are_freed_when_their_requests_are_collected_or_dropped
     assert arena.blocks == 1 and len(store) == 0
 
 
+def test_a_collection_sends_its_gather_indices_to_the_device_in_one_copy(monkeypatch) -> None:
+    """A blocking copy to a GPU waits for the work queued before it: the indices of every
+    request a collection gathers from an arena travel together, not one copy per block a
+    request's rows are in."""
+    from vllm_runner import save_arena
+
+    store, arena = SaveStore(), SaveArena(2, 1, torch.device("cpu"), torch.float32, 48)
+    for step in range(12):  # three requests, one row each a step; blocks of 6 rows: 2 steps
+        block, row = arena.reserve(3)
+        arena.write(["a", "b"], block, row, [torch.full((3, 2), float(step))] * 2)
+        store.save_pending(("a", "b"), arena, [(key, step, block, row + index, 1)
+                                               for index, key in enumerate("xyz")])
+    copies: list[int] = []
+    copy = save_arena._on_index_device
+    monkeypatch.setattr(save_arena, "_on_index_device",
+                        lambda index, device: copies.append(len(index)) or copy(index, device))
+    found = store.collect([(key, 12, {"a": None, "b": None}) for key in "xyz"])
+    assert copies == [3 * 12]  # every row of the three requests, over six blocks, in one copy
+    for key in "xyz":
+        for value in found[key].values():
+            assert torch.equal(value, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
+    assert arena.blocks == 1 and len(store) == 0
+
+
 @settings(deadline=None, max_examples=150)
 @given(st.integers(1, 4), st.lists(st.tuples(st.booleans(), st.integers(-1, 3), st.booleans()),
                                    min_size=1, max_size=10))

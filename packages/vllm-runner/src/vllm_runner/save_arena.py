@@ -17,7 +17,7 @@ freed once no request has rows waiting in it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -246,7 +246,7 @@ class SaveArena:
                 ) -> list[torch.Tensor]:
         """Each segment's rows (`PendingRows.segments`) as an index on the device, for
         `gather` at every location they were saved at."""
-        return [torch.from_numpy(_row_index(rows, counts)).to(self._index_device)
+        return [_on_index_device(_row_index(rows, counts), self._index_device)
                 for _, rows, counts in segments]
 
     def gather(self, location: str, segments: Sequence[tuple[int, list[int], list[int]]],
@@ -259,6 +259,32 @@ class SaveArena:
             return torch.empty(1, 0, self.width, device=self.device, dtype=self.dtype)
         gathered = parts[0] if len(parts) == 1 else torch.cat(parts)
         return gathered.unsqueeze(0)
+
+
+def index_together(waiting: Iterable[PendingRows]) -> None:
+    """Give each of `waiting` (the requests a collection is about to gather) its gather indices
+    in one copy to each arena's device, instead of one copy per segment of each request: a
+    blocking copy to a GPU waits for the work queued before it, so gathering request by request
+    waited ~2 times a request (64 requests saving one graph tap: the worker's collection took
+    30 ms on the H200's host where the copies to the host alone took 11)."""
+    by_arena: dict[int, tuple[SaveArena, dict[int, tuple[PendingRows, list[np.ndarray]]]]] = {}
+    for rows in waiting:
+        rows.settle()
+        if rows._indices is not None or not rows.segments:
+            continue
+        _, requests = by_arena.setdefault(id(rows.arena), (rows.arena, {}))
+        requests.setdefault(id(rows), (rows, [_row_index(first_rows, counts)
+                                             for _, first_rows, counts in rows.segments]))
+    for arena, requests in by_arena.values():
+        arrays = [array for _, request_arrays in requests.values() for array in request_arrays]
+        pieces = iter(_on_index_device(np.concatenate(arrays), arena._index_device).split(
+            [len(array) for array in arrays]))
+        for rows, request_arrays in requests.values():
+            rows._indices = [next(pieces) for _ in request_arrays]
+
+
+def _on_index_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(index).to(device)
 
 
 def _row_index(rows: list[int], counts: list[int]) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_runner import host_copies
-from vllm_runner.save_arena import PendingRows, SaveArena
+from vllm_runner.save_arena import PendingRows, SaveArena, index_together
 from vllm_runner.settings import FALLBACK_DEVICE_SAVES_MIB
 
 # Values without a token axis (the attention pattern) are stored whole under this position.
@@ -247,6 +247,9 @@ class SaveStore:
             if program_id in self._device_bytes:  # saved on a device since (maybe zero bytes)
                 self._to_host(program_id, mover)
         mover.flush()
+        index_together(rows for request in map(ToCollect._make, requests)
+                       for chunks in self._chunks.get(request.program_id, {}).values()
+                       for _, rows in chunks if type(rows) is PendingRows)
         found: dict[str, dict[str, torch.Tensor]] = {}
         for program_id, computed, wanted in map(ToCollect._make, requests):
             found[program_id] = self._rows(program_id, computed, wanted)
