@@ -29,6 +29,11 @@ LOGPROB_TOLERANCE = 1e-5
 
 PROMPTS = [[5, 17, 99, 3, 42], [250, 7, 61, 8, 120, 33, 14, 2, 77, 19, 4], [91, 45, 12]]
 GENERATED = 4
+# ~1.3 MB of saves for a 120-token prompt: enough to cross from an engine core in a process of
+# its own through shared memory (`wire.SHARED_MIN_BYTES`).
+LARGE_PROMPT = [(7 * i) % 250 + 1 for i in range(120)]
+LARGE_SAVES = ["layers.*.attention_probabilities", "layers.*.mlp_neurons",
+               "layers.*.layer_output"]
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,16 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import PROMPTS, SUITE_ENGINE_IN_SCRIPT, engine_script_environment
+from conftest import (
+    LARGE_PROMPT,
+    LARGE_SAVES,
+    PROMPTS,
+    SUITE_ENGINE_IN_SCRIPT,
+    engine_script_environment,
+)
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_runner import ops
+from vllm_runner import ops, wire
 
 STEER = torch.randn(128, generator=torch.Generator().manual_seed(5))
 
@@ -20,9 +26,15 @@ SCRIPT = '''
 import asyncio, sys
 import torch
 from vllm import SamplingParams
-from vllm_runner import AsyncLLM, ops
+from vllm_runner import AsyncLLM, ops, shm_files
 
-PROMPTS, STEER = torch.load(sys.argv[2])
+PROMPTS, STEER, LARGE_PROMPT, LARGE_SAVES = torch.load(sys.argv[2])
+attached = []
+attach = shm_files.attach
+def counted(path, size):
+    attached.append(size)
+    return attach(path, size)
+shm_files.attach = counted
 
 async def main():
     # A small share of a GPU: the test's own offline engine holds memory beside this one.
@@ -42,6 +54,11 @@ async def main():
         last(0, [ops.Save("layers.*.layer_output")]),
         last(1, [ops.Add("layers.1.layer_output", STEER, scale=8.0)]),
         last(2, None))
+    final = None  # ~1.3 MB of saves: through shared memory
+    async for output in engine.generate({"prompt_token_ids": LARGE_PROMPT}, params, "large",
+                                        interventions=[ops.Save(saved) for saved in LARGE_SAVES]):
+        final = output
+    large = final
     # A request its caller stops reading: aborted, and what it saved is freed.
     stream = engine.generate({"prompt_token_ids": PROMPTS[0]},
                              SamplingParams(max_tokens=100, ignore_eos=True), "stopped",
@@ -54,7 +71,8 @@ async def main():
                 "steered": list(steered.outputs[0].token_ids), "errors": [
                     saved.error, steered.error, plain.error],
                 "plain": list(plain.outputs[0].token_ids), "plain_saved": plain.saved,
-                "held": held}, sys.argv[3])
+                "held": held, "large": large.saved, "large_error": large.error,
+                "attached": attached}, sys.argv[3])
     engine.shutdown()
 
 if __name__ == "__main__":  # vLLM starts its engine core in a process of its own (spawn)
@@ -65,7 +83,7 @@ if __name__ == "__main__":  # vLLM starts its engine core in a process of its ow
 def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
         model_dir: str, llm, tmp_path: Path) -> None:
     (tmp_path / "run.py").write_text(SCRIPT)
-    torch.save((PROMPTS, STEER), tmp_path / "inputs.pt")
+    torch.save((PROMPTS, STEER, LARGE_PROMPT, LARGE_SAVES), tmp_path / "inputs.pt")
     ran = subprocess.run([sys.executable, "run.py", model_dir, "inputs.pt", "out.pt"],
                          cwd=tmp_path, env=engine_script_environment(), capture_output=True,
                          text=True, timeout=600)
@@ -91,3 +109,14 @@ def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
     assert got["steered"] != list(llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])],
                                                params, use_tqdm=False)[0].outputs[0].token_ids)
     assert got["held"] == {"requests": 0, "bytes": 0}
+    # Only the large request's saves came through a file in shared memory, and came whole.
+    (size,) = got["attached"]
+    assert size >= wire.SHARED_MIN_BYTES and got["large_error"] is None
+    (large,) = llm.generate([TokensPrompt(prompt_token_ids=LARGE_PROMPT)], params,
+                            interventions=[ops.Save(location) for location in LARGE_SAVES],
+                            use_tqdm=False)
+    assert got["large"].keys() == large.saved.keys() and len(large.saved) == 9
+    # The offline engine prefills 8 tokens a step, this one the whole prompt: the same values
+    # to float32 rounding (the transport itself is exact: test_wire.py).
+    for name in large.saved:
+        torch.testing.assert_close(got["large"][name], large.saved[name], rtol=1e-4, atol=1e-5)

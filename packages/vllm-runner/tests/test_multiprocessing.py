@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import PROMPTS
+from conftest import LARGE_PROMPT, LARGE_SAVES, PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops, shm_files, wire
@@ -57,10 +57,6 @@ if __name__ == "__main__":
 """
 
 
-# ~1.3 MB of saves for a 120-token prompt: through shared memory.
-LARGE_PROMPT = [(7 * i) % 250 + 1 for i in range(120)]
-LARGE_SAVES = ["layers.*.attention_probabilities", "layers.*.mlp_neurons",
-               "layers.*.layer_output"]
 
 
 def ours_left_behind() -> set[str]:
