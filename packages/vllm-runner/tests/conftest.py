@@ -188,6 +188,17 @@ def suite_numerics() -> dict[str, str]:
 SUITE_EAGER_IN_SCRIPT = repr(not SUITE_COMPILED)
 #: For a script's engine of ours: the suite's engine's keywords (`SUITE_ENGINE`).
 SUITE_ENGINE_IN_SCRIPT = repr(SUITE_ENGINE)
+#: For a script whose engine core runs apart: the sizes of the files in shared memory its saves
+#: came through, in `attached` (`shm_files.attach` counted in the client's process).
+COUNT_ATTACHED_IN_SCRIPT = """
+from vllm_runner import shm_files
+attached = []
+attach = shm_files.attach
+def counted(path, size):
+    attached.append(size)
+    return attach(path, size)
+shm_files.attach = counted
+"""
 
 
 def engine_script_environment() -> dict[str, str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from conftest import (
+    COUNT_ATTACHED_IN_SCRIPT,
     LARGE_PROMPT,
     LARGE_SAVES,
     PROMPTS,
@@ -26,15 +27,10 @@ SCRIPT = '''
 import asyncio, sys
 import torch
 from vllm import SamplingParams
-from vllm_runner import AsyncLLM, ops, shm_files
+from vllm_runner import AsyncLLM, ops
+COUNT_ATTACHED
 
 PROMPTS, STEER, LARGE_PROMPT, LARGE_SAVES = torch.load(sys.argv[2])
-attached = []
-attach = shm_files.attach
-def counted(path, size):
-    attached.append(size)
-    return attach(path, size)
-shm_files.attach = counted
 
 async def main():
     # A small share of a GPU: the test's own offline engine holds memory beside this one.
@@ -77,7 +73,8 @@ async def main():
 
 if __name__ == "__main__":  # vLLM starts its engine core in a process of its own (spawn)
     asyncio.run(main())
-'''.replace("SUITE_ENGINE", SUITE_ENGINE_IN_SCRIPT)
+'''.replace("SUITE_ENGINE", SUITE_ENGINE_IN_SCRIPT).replace(
+    "COUNT_ATTACHED", COUNT_ATTACHED_IN_SCRIPT)
 
 
 def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(

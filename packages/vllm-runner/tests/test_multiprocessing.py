@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import LARGE_PROMPT, LARGE_SAVES, PROMPTS
+from conftest import COUNT_ATTACHED_IN_SCRIPT, LARGE_PROMPT, LARGE_SAVES, PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops, shm_files, wire
@@ -21,14 +21,8 @@ SCRIPT = """
 import json, sys, torch
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_runner import LLM, ops, shm_files
-
-attached = []
-attach = shm_files.attach
-def counted(path, size):
-    attached.append(size)
-    return attach(path, size)
-shm_files.attach = counted
+from vllm_runner import LLM, ops
+COUNT_ATTACHED
 
 def halve(value, ctx):
     value.mul_(0.5)  # in place: in "copy" read mode this never reaches the engine
@@ -54,7 +48,7 @@ if __name__ == "__main__":
                                 "copied": torch.allclose(copied.saved[location], saved,
                                                          rtol=1e-4, atol=1e-5),
                                 "attached": attached}))
-"""
+""".replace("COUNT_ATTACHED", COUNT_ATTACHED_IN_SCRIPT)
 
 
 

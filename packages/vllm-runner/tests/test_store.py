@@ -305,13 +305,20 @@ def test_rows_kept_in_an_arena_are_collected_as_if_saved_whole(history, through_
     assert arena.blocks <= 1  # only the block rows still go into is kept
 
 
-def test_an_arenas_blocks_are_freed_when_their_requests_are_collected_or_dropped() -> None:
+def three_requests_over_six_blocks() -> tuple[SaveStore, SaveArena]:
+    """Three requests x, y, z saving one row each at taps a and b for 12 steps (the value: the
+    step), in an arena of blocks of 6 rows: 2 steps a block."""
     store, arena = SaveStore(), SaveArena(2, 1, torch.device("cpu"), torch.float32, 48)
-    for step in range(12):  # three requests, one row each a step; blocks of 6 rows: 2 steps
+    for step in range(12):
         block, row = arena.reserve(3)
         arena.write(["a", "b"], block, row, [torch.full((3, 2), float(step))] * 2)
         store.save_pending(("a", "b"), arena, [(key, step, block, row + index, 1)
                                                for index, key in enumerate("xyz")])
+    return store, arena
+
+
+def test_an_arenas_blocks_are_freed_when_their_requests_are_collected_or_dropped() -> None:
+    store, arena = three_requests_over_six_blocks()
     assert arena.blocks == 6
     assert store.held() == {"requests": 3, "bytes": 3 * 2 * 12 * 2 * 4}
     store.drop(["x"])
@@ -329,12 +336,7 @@ def test_a_collection_sends_its_gather_indices_to_the_device_in_one_copy(monkeyp
     request's rows are in."""
     from vllm_runner import save_arena
 
-    store, arena = SaveStore(), SaveArena(2, 1, torch.device("cpu"), torch.float32, 48)
-    for step in range(12):  # three requests, one row each a step; blocks of 6 rows: 2 steps
-        block, row = arena.reserve(3)
-        arena.write(["a", "b"], block, row, [torch.full((3, 2), float(step))] * 2)
-        store.save_pending(("a", "b"), arena, [(key, step, block, row + index, 1)
-                                               for index, key in enumerate("xyz")])
+    store, arena = three_requests_over_six_blocks()
     copies: list[int] = []
     copy = save_arena._on_index_device
     monkeypatch.setattr(save_arena, "_on_index_device",
