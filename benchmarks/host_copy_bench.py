@@ -55,7 +55,7 @@ def main() -> None:
     counts = list(map(int, arguments.threads.split(",")))
     for threads in counts:
         host_copies.LANDING_THREADS = threads
-        host_copies._POOLS.clear()
+        host_copies.LANDING_POOLS.forget()
         for mode in ("kept", "freed"):
             kept: list[object] = []
             best = float("inf")
@@ -75,7 +75,7 @@ def main() -> None:
     profiled: list[object] = []
     for threads in (min(counts), max(counts)):
         host_copies.LANDING_THREADS = threads
-        host_copies._POOLS.clear()
+        host_copies.LANDING_POOLS.forget()
         profiler = cProfile.Profile()
         profiler.enable()
         profiled.append(collect_once(saves, staging))

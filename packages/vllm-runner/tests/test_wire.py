@@ -18,6 +18,7 @@ import torch
 from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 from vllm_runner import host_copies, shm_files, wire
+from vllm_runner.per_process import PerProcess
 from vllm_runner.settings import SHARED_SAVES_VARIABLE, shared_saves_memory
 from vllm_runner.worker import WorkerRPC
 
@@ -127,7 +128,7 @@ def test_a_client_that_cannot_decode_still_removes_every_file(monkeypatch) -> No
 def test_files_no_client_opens_are_removed_once_abandoned(monkeypatch) -> None:
     clock = [1000.0]
     monkeypatch.setattr(shm_files.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(shm_files, "_made", None)
+    monkeypatch.setattr(shm_files, "MADE", PerProcess(shm_files._Made))
     piece = [memoryview(bytes(64))]
     abandoned, opened = shm_files.write(piece, 64), shm_files.write(piece, 64)
     assert abandoned and opened
@@ -144,8 +145,9 @@ def test_files_no_client_opens_are_removed_once_abandoned(monkeypatch) -> None:
     clock[0] += shm_files._PRUNE_EVERY_S
     latest = shm_files.write(piece, 64)
     assert latest and not os.path.exists(abandoned) and not os.path.exists(killed)
-    assert shm_files._made is not None
-    assert shm_files._made.paths == {young, latest}  # the opened one forgotten, the rest kept
+    made = shm_files.MADE.current()
+    assert made is not None
+    assert made.paths == {young, latest}  # the opened one forgotten, the rest kept
     shm_files.remove_left_behind()
     assert not left_behind()
 

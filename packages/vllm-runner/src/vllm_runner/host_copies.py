@@ -17,13 +17,14 @@ the faults are taken on several cores at once.
 from __future__ import annotations
 
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Callable, MutableMapping, MutableSequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from vllm_runner.per_process import PerProcess
 
 STAGING_BYTES = 64 * 2**20
 _ALIGN = 64  # bytes: every tensor starts at an offset any dtype can be viewed at
@@ -178,26 +179,14 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         destination.copy_(source)
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # by process id
-_starting = threading.Lock()  # two threads' first large batches must not start two pools
+def _new_landing_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(LANDING_THREADS, thread_name_prefix="interp-land")
 
 
-def _new_starting_lock() -> None:
-    global _starting
-    _starting = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_starting_lock)
+#: The threads that write batches into host memory, started at the first large batch; one pool
+#: per process (a forked child has the parent's pool object but none of its threads).
+LANDING_POOLS = PerProcess(_new_landing_pool)
 
 
 def _landing_pool() -> ThreadPoolExecutor:
-    """The threads that write batches into host memory, started at the first large batch; one
-    pool per process (a forked child has the parent's pool object but none of its threads)."""
-    pool = _POOLS.get(os.getpid())
-    if pool is None:
-        with _starting:
-            pool = _POOLS.get(os.getpid())
-            if pool is None:
-                pool = _POOLS[os.getpid()] = ThreadPoolExecutor(
-                    LANDING_THREADS, thread_name_prefix="interp-land")
-    return pool
+    return LANDING_POOLS.get()

@@ -33,6 +33,8 @@ import uuid
 
 import torch
 
+from vllm_runner.per_process import PerProcess
+
 DIRECTORY = "/dev/shm"
 _PREFIX = "vllm-interp-"
 #: Seconds after which a file no client has opened is taken as abandoned and removed.
@@ -50,34 +52,13 @@ class _Made:
         self.paths: set[str] = set()
         self.pruned = time.monotonic() - _PRUNE_EVERY_S  # the first write prunes
         self.lock = threading.Lock()
-        self.owner = os.getpid()
         # At exit: `atexit` for a main process, multiprocessing's finalizers for a process it
         # started (a forked child leaves through `os._exit`, which runs no `atexit` handler).
         atexit.register(remove_left_behind)
         multiprocessing.util.Finalize(None, remove_left_behind, exitpriority=10)
 
 
-_made: _Made | None = None
-_making = threading.Lock()  # the first writes of a process may come on several threads at once
-
-
-def _new_making_lock() -> None:
-    global _making
-    _making = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_making_lock)
-
-
-def _state() -> _Made:
-    global _made
-    state = _made
-    if state is None or state.owner != os.getpid():
-        with _making:
-            if _made is None or _made.owner != os.getpid():
-                _made = _Made()
-            state = _made
-    return state
+MADE = PerProcess(_Made)
 
 
 def identity() -> str | None:
@@ -97,7 +78,7 @@ def write(pieces: list[memoryview], size: int) -> str | None:
     sends the bytes another way. Safe to call from several threads at once."""
     if size <= 0 or not _has_room(size):
         return None
-    state = _state()
+    state = MADE.get()
     _prune(state)
     path = os.path.join(DIRECTORY, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     try:
@@ -153,8 +134,8 @@ def remove(paths: list[str]) -> None:
 
 def remove_left_behind() -> None:
     """Remove this process's files that no client opened (run at exit)."""
-    state = _made
-    if state is None or state.owner != os.getpid():
+    state = MADE.current()
+    if state is None:
         return
     with state.lock:
         paths, state.paths = state.paths, set()
