@@ -256,11 +256,11 @@ def test_spilling_at_any_point_never_changes_what_is_collected(history) -> None:
 
 
 class _DeviceArena(SaveArena):
-    """An arena whose blocks say they are on a GPU (`_OnADevice`), with blocks of 4 rows of
-    one float32, so histories cross several of them."""
+    """An arena whose blocks say they are on a GPU (`_OnADevice`): by default blocks of 4 rows
+    of one float32, so histories cross several of them."""
 
-    def __init__(self) -> None:
-        super().__init__(1, 1, torch.device("cpu"), torch.float32, block_bytes=16)
+    def __init__(self, width: int = 1, block_bytes: int = 16) -> None:
+        super().__init__(width, 1, torch.device("cpu"), torch.float32, block_bytes=block_bytes)
         self.device = torch.device("cuda", 0)  # what the store sees; indices stay on the host
 
     def _allocate(self, rows: int) -> torch.Tensor:
@@ -305,10 +305,12 @@ def test_rows_kept_in_an_arena_are_collected_as_if_saved_whole(history, through_
     assert arena.blocks <= 1  # only the block rows still go into is kept
 
 
-def three_requests_over_six_blocks() -> tuple[SaveStore, SaveArena]:
+def three_requests_over_six_blocks(arena: SaveArena | None = None
+                                   ) -> tuple[SaveStore, SaveArena]:
     """Three requests x, y, z saving one row each at taps a and b for 12 steps (the value: the
-    step), in an arena of blocks of 6 rows: 2 steps a block."""
-    store, arena = SaveStore(), SaveArena(2, 1, torch.device("cpu"), torch.float32, 48)
+    step), in an arena (by default on the host) of blocks of 6 rows: 2 steps a block."""
+    store = SaveStore()
+    arena = arena or SaveArena(2, 1, torch.device("cpu"), torch.float32, 48)
     for step in range(12):
         block, row = arena.reserve(3)
         arena.write(["a", "b"], block, row, [torch.full((3, 2), float(step))] * 2)
@@ -330,23 +332,53 @@ def test_an_arenas_blocks_are_freed_when_their_requests_are_collected_or_dropped
     assert arena.blocks == 1 and len(store) == 0
 
 
-def test_a_collection_sends_its_gather_indices_to_the_device_in_one_copy(monkeypatch) -> None:
-    """A blocking copy to a GPU waits for the work queued before it: the indices of every
-    request a collection gathers from an arena travel together, not one copy per block a
-    request's rows are in."""
+def test_a_collection_gathers_many_requests_rows_from_a_gpu_arena_together(monkeypatch) -> None:
+    """Rows waiting in an arena on a GPU come out for all the requests a collection takes at
+    once: one `index_select` per block and tap (not one per request too), their indices sent to
+    the device in one copy (a blocking copy waits for the work queued before it), once for the
+    taps that saved the same requests."""
     from vllm_runner import save_arena
 
-    store, arena = three_requests_over_six_blocks()
+    store, arena = three_requests_over_six_blocks(_DeviceArena(width=2, block_bytes=48))
     copies: list[int] = []
     copy = save_arena._on_index_device
     monkeypatch.setattr(save_arena, "_on_index_device",
                         lambda index, device: copies.append(len(index)) or copy(index, device))
+    selects: list[int] = []
+    index_select = torch.Tensor.index_select
+
+    def counted(rows: torch.Tensor, *args: object) -> torch.Tensor:
+        selects.append(1)
+        with torch._C.DisableTorchFunctionSubclass():  # the subclass would call it once more
+            return index_select(rows, *args)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", counted)
     found = store.collect([(key, 12, {"a": None, "b": None}) for key in "xyz"])
-    assert copies == [3 * 12]  # every row of the three requests, over six blocks, in one copy
+    assert copies == [2 * 3 * 12]  # every row's source and target, the taps sharing them
+    assert len(selects) == 2 * 6  # the blocks at each tap
+    for key in "xyz":
+        for value in found[key].values():
+            assert type(value) is torch.Tensor  # on the host
+            assert torch.equal(value, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
+    assert arena.blocks == 1  # only the block rows still go into is kept
+
+
+def test_a_collection_larger_than_a_staging_buffer_gathers_in_groups(monkeypatch) -> None:
+    """Gathered together, a collection's rows would all be on the device at once: requests are
+    gathered in groups of at most a staging buffer's worth (here 2 of the 3 requests' 96 bytes
+    a tap), and each still gets its own rows."""
+    monkeypatch.setattr(host_copies, "STAGING_BYTES", 2 * 2 * 96)
+    store, _ = three_requests_over_six_blocks(_DeviceArena(width=2, block_bytes=48))
+    gathered: list[int] = []
+    together = store_module.gather_together
+    monkeypatch.setattr(store_module, "gather_together",
+                        lambda waiting: gathered.append(len(waiting := list(waiting)))
+                        or together(waiting))
+    found = store.collect([(key, 12, {"a": None, "b": None}) for key in "zxy"])
+    assert gathered == [2 * 2, 2]  # (request, tap) pairs: z and x, then y
     for key in "xyz":
         for value in found[key].values():
             assert torch.equal(value, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
-    assert arena.blocks == 1 and len(store) == 0
 
 
 @settings(deadline=None, max_examples=150)

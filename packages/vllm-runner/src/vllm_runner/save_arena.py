@@ -5,8 +5,9 @@ A step saving at a graph tap (`tap_saves`) used to keep one tensor per request: 
 step takes ~3 ms (SmolLM2-135M shape, H200), and collection then joined every step's piece again.
 Here a step's rows are copied, one copy per run of adjacent saving requests, into rows of a
 block, and each request keeps only where its rows went (`PendingRows`: plain ints, one object for
-all the steps whose positions follow on). At collection, or when the store moves saves to the
-host, a request's rows come out with one `index_select` per block they are in.
+all the steps whose positions follow on). At collection the rows of many requests come out
+together, with one `index_select` per block (`gather_together`); when the store moves one
+request's saves to the host, its rows come out with one `index_select` per block they are in.
 
 The graph taps share one arena whose blocks advance in lockstep: block `k` has the same rows at
 every tap (each tap's tensor of it allocated when something is first written there), so a
@@ -33,8 +34,8 @@ class PendingRows:
     latest steps' rows may be kept for many requests at once in a `SharedRows` the request is a
     member of, until they are taken out of it (`settle`)."""
 
-    __slots__ = ("_end", "_indices", "_member", "_shared", "arena", "first", "locations",
-                 "segments", "waiting")
+    __slots__ = ("_end", "_gathered", "_indices", "_member", "_shared", "arena", "first",
+                 "locations", "segments", "waiting")
 
     def __init__(self, arena: SaveArena, first: int, locations: tuple[str, ...]) -> None:
         self.arena = arena
@@ -43,6 +44,7 @@ class PendingRows:
         self.waiting = set(locations)  # those not gathered yet
         self.segments: list[tuple[int, list[int], list[int]]] = []  # (block, rows, counts)
         self._indices: list[torch.Tensor] | None = None  # per segment, made at the first gather
+        self._gathered: dict[str, torch.Tensor] = {}  # rows `gather_together` took out already
         self._shared: SharedRows | None = None
         self._member = 0  # its place in `_shared`
 
@@ -97,9 +99,11 @@ class PendingRows:
         """The rows at `location`, as a new `[1, rows, width]` tensor; once every location has
         been gathered, they no longer hold the arena's blocks."""
         self.settle()
-        if self._indices is None:
-            self._indices = self.arena.indices(self.segments)
-        rows = self.arena.gather(location, self.segments, self._indices)
+        rows = self._gathered.pop(location, None)
+        if rows is None:
+            if self._indices is None:
+                self._indices = self.arena.indices(self.segments)
+            rows = self.arena.gather(location, self.segments, self._indices)
         self.waiting.discard(location)
         if not self.waiting:
             self.release()
@@ -112,6 +116,7 @@ class PendingRows:
             self._shared = None
         self.arena.release(self.segments)
         self.segments, self._indices = [], None
+        self._gathered.clear()
         self.waiting.clear()
 
 
@@ -261,28 +266,80 @@ class SaveArena:
         return gathered.unsqueeze(0)
 
 
-def index_together(waiting: Iterable[PendingRows]) -> None:
-    """Give each of `waiting` (the requests a collection is about to gather) its gather indices
-    in one copy to each arena's device, instead of one copy per segment of each request: a
-    blocking copy to a GPU waits for the work queued before it, so gathering request by request
-    waited ~2 times a request (64 requests saving one graph tap: the worker's collection took
-    30 ms on the H200's host where the copies to the host alone took 11)."""
-    by_arena: dict[int, tuple[SaveArena, dict[int, tuple[PendingRows, list[np.ndarray]]]]] = {}
-    for rows in waiting:  # a request's rows at several taps come once for each
+def gather_together(waiting: Iterable[tuple[PendingRows, str]]) -> None:
+    """Take the rows of each of `waiting` (a request's rows and a location they were saved at)
+    out of their arena for all of them at once: per arena and location one new tensor, filled
+    with one `index_select` and one `index_copy_` per block, and its indices sent to the device
+    in one copy per arena; each request's `gather` then returns its slice of it. Request by
+    request, a collection ran one `index_select` per block a request's rows are in and a `cat`:
+    for 64 requests saving one graph tap over a wave, ~250 operators of 10-20 µs of host time
+    each, and the worker's collection took 28-30 ms on the H200 where the copies to the host
+    took 11 (with each request's indices copied to the device on their own, a blocking copy
+    that waits for the work queued before it, it had been 30 ms too).
+
+    The new tensors hold every row of `waiting` on the device at once: the caller bounds it
+    (`SaveStore.collect` passes at most a staging buffer's worth at a time)."""
+    by_arena: dict[int, tuple[SaveArena, dict[str, list[PendingRows]]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for rows, location in waiting:
         rows.settle()
-        _, requests = by_arena.setdefault(id(rows.arena), (rows.arena, {}))
-        if rows._indices is not None or not rows.segments or id(rows) in requests:
+        if (not rows.segments or location not in rows.waiting or location in rows._gathered
+                or (id(rows), location) in seen):
             continue
-        requests[id(rows)] = (rows, [_row_index(first_rows, counts)
-                                     for _, first_rows, counts in rows.segments])
-    for arena, requests in by_arena.values():
-        if not requests:
-            continue
-        arrays = [array for _, request_arrays in requests.values() for array in request_arrays]
-        pieces = iter(_on_index_device(np.concatenate(arrays), arena._index_device).split(
-            [len(array) for array in arrays]))
-        for rows, request_arrays in requests.values():
-            rows._indices = [next(pieces) for _ in request_arrays]
+        seen.add((id(rows), location))
+        by_arena.setdefault(id(rows.arena), (rows.arena, {}))[1].setdefault(
+            location, []).append(rows)
+    for arena, by_location in by_arena.values():
+        _gather_arena(arena, by_location)
+
+
+def _gather_arena(arena: SaveArena, by_location: dict[str, list[PendingRows]]) -> None:
+    """`gather_together` for one arena: `by_location[location]` are the requests whose rows
+    are taken out at `location`, in order. Locations with the same requests (one tap per layer,
+    every layer saved) share one layout and its indices."""
+    layouts: dict[tuple[int, ...], _Layout] = {}
+    arrays: list[np.ndarray] = []
+    for members in by_location.values():
+        key = tuple(map(id, members))
+        if key not in layouts:
+            layouts[key] = layout = _Layout(members)
+            arrays += layout.arrays
+    pieces = iter(_on_index_device(np.concatenate(arrays), arena._index_device).split(
+        [len(array) for array in arrays]))
+    for layout in layouts.values():
+        layout.indices = [(next(pieces), next(pieces)) for _ in layout.blocks]
+    for location, members in by_location.items():
+        layout = layouts[tuple(map(id, members))]
+        together = arena._allocate(layout.total)
+        for block, (taken, placed) in zip(layout.blocks, layout.indices, strict=True):
+            together.index_copy_(0, placed,
+                                 arena._tensors[block][location].index_select(0, taken))
+        for rows, start, stop in layout.spans:
+            rows._gathered[location] = together[start:stop].unsqueeze(0)
+
+
+class _Layout:
+    """Where the rows of requests `members` go when gathered together: each one's `(rows,
+    start, stop)` in the new tensor of `total` rows, the blocks they come from, and per block
+    the rows taken from it and the rows they are placed at (`arrays`: taken, placed, block by
+    block; `indices`: the same on the device)."""
+
+    def __init__(self, members: list[PendingRows]) -> None:
+        by_block: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self.spans: list[tuple[PendingRows, int, int]] = []
+        total = 0
+        for rows in members:
+            start = total
+            for block, firsts, counts in rows.segments:
+                taken = _row_index(firsts, counts)
+                taken_of_block, placed_of_block = by_block.setdefault(block, ([], []))
+                taken_of_block.append(taken)
+                placed_of_block.append(np.arange(total, total + len(taken), dtype=np.int64))
+                total += len(taken)
+            self.spans.append((rows, start, total))
+        self.total, self.blocks = total, list(by_block)
+        self.arrays = [np.concatenate(part) for lists in by_block.values() for part in lists]
+        self.indices: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def _on_index_device(index: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -10,13 +10,13 @@ copies themselves when every layer is saved.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
 from vllm_runner import host_copies
-from vllm_runner.save_arena import PendingRows, SaveArena, index_together
+from vllm_runner.save_arena import PendingRows, SaveArena, gather_together
 from vllm_runner.settings import FALLBACK_DEVICE_SAVES_MIB
 
 # Values without a token axis (the attention pattern) are stored whole under this position.
@@ -247,16 +247,39 @@ class SaveStore:
             if program_id in self._device_bytes:  # saved on a device since (maybe zero bytes)
                 self._to_host(program_id, mover)
         mover.flush()
-        index_together(rows for request in map(ToCollect._make, requests)
-                       for chunks in self._chunks.get(request.program_id, {}).values()
-                       for _, rows in chunks if type(rows) is PendingRows)
         found: dict[str, dict[str, torch.Tensor]] = {}
-        for program_id, computed, wanted in map(ToCollect._make, requests):
-            found[program_id] = self._rows(program_id, computed, wanted)
-            # Request by request: at most a batch is joined at a time.
-            mover.add_all(found[program_id])
+        for group in self._gathered_in_groups(requests):
+            for program_id, computed, wanted in group:
+                found[program_id] = self._rows(program_id, computed, wanted)
+                # Request by request: at most a batch is joined at a time.
+                mover.add_all(found[program_id])
         mover.flush()
         return found
+
+    def _gathered_in_groups(self, requests: list[ToCollect]) -> Iterator[list[ToCollect]]:
+        """`requests` in order, in groups whose rows waiting in a GPU's `SaveArena` come out
+        of it together (`gather_together`) before the group is yielded; a group holds at most
+        a staging buffer's worth of them (or one request), so the gathered copies add about
+        that much device memory before they move. Rows in an arena on the host come out request
+        by request, each into memory of its own (together, each would be copied once more)."""
+        group: list[ToCollect] = []
+        waiting: list[tuple[PendingRows, str]] = []
+        size = 0
+        for request in map(ToCollect._make, requests):
+            mine = [(rows, location)
+                    for location, chunks in self._chunks.get(request.program_id, {}).items()
+                    for _, rows in chunks
+                    if type(rows) is PendingRows and rows.arena.device.type != "cpu"]
+            more = sum(rows.count * rows.arena.row_bytes for rows, _ in mine)
+            if group and size + more > host_copies.STAGING_BYTES:
+                gather_together(waiting)
+                yield group
+                group, waiting, size = [], [], 0
+            group.append(request)
+            waiting += mine
+            size += more
+        gather_together(waiting)
+        yield group
 
     def _rows(self, program_id: str, computed: int,
               wanted: dict[str, Keep]) -> dict[str, torch.Tensor]:
