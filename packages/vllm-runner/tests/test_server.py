@@ -21,6 +21,8 @@ import pytest
 import safetensors.torch
 import torch
 from conftest import (
+    LARGE_PROMPT,
+    LARGE_SAVES,
     LOGPROB_TOLERANCE,
     SUITE_COMPILED,
     SUITE_TAPS,
@@ -109,10 +111,10 @@ def _offline(llm, interventions: list, prompt: list[int] = PROMPT) -> Any:
 
 
 def _complete(client: OpenAI, interventions: list | None, prompt: list[int] = PROMPT,
-              **options: Any) -> Any:
-    extra = {} if interventions is None else {"interventions": interventions}
+              extra: dict[str, Any] | None = None, **options: Any) -> Any:
+    body = {} if interventions is None else {"interventions": interventions}
     return client.completions.create(model="tiny", prompt=prompt, max_tokens=TOKENS,
-                                     temperature=0.0, extra_body={**extra,
+                                     temperature=0.0, extra_body={**body, **(extra or {}),
                                                                   "return_token_ids": True},
                                      **options)
 
@@ -491,6 +493,11 @@ def test_a_restarted_server_keeps_its_vectors_runs_its_default_program_and_check
         (steered,) = _complete(fresh, None).choices  # no interventions: the default runs
         (own,) = _complete(fresh, [{"op": "save", "location": "logits"}]).choices
         (none,) = _complete(fresh, []).choices
+        # ~1.3 MB of saves, which leave the engine core through shared memory when it runs
+        # apart (as under this server), returned in the response.
+        (large,) = _complete(fresh, [{"op": "save", "location": location}
+                                     for location in LARGE_SAVES], LARGE_PROMPT,
+                             extra={"interp_saves": "inline"}).choices
     offline = _offline(llm, [ops.Add("layers.1.layer_output", STEER, scale=8.0),
                              ops.Save("logits")])
     assert list(steered.model_extra["token_ids"]) == list(offline.outputs[0].token_ids)
@@ -498,6 +505,14 @@ def test_a_restarted_server_keeps_its_vectors_runs_its_default_program_and_check
     plain = list(_offline(llm, []).outputs[0].token_ids)
     assert list(own.model_extra["token_ids"]) == plain  # its own program replaced the default
     assert list(none.model_extra["token_ids"]) == plain and "interp" not in none.model_extra
+    offline = _offline(llm, [ops.Save(location) for location in LARGE_SAVES], LARGE_PROMPT)
+    assert list(large.model_extra["token_ids"]) == list(offline.outputs[0].token_ids)
+    saves = _saves(large)
+    assert saves.keys() == offline.saved.keys() and len(saves) == 9
+    # The offline engine prefills 8 tokens a step, the server the whole prompt: the same values
+    # to float32 rounding (the transport itself is exact: test_wire.py).
+    for location, tensor in offline.saved.items():
+        torch.testing.assert_close(saves[location], tensor, rtol=1e-4, atol=1e-5)
 
 
 def test_saves_kept_under_an_id_are_fetched_once_as_safetensors_equal_to_offline(
