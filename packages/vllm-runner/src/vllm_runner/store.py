@@ -270,7 +270,7 @@ class SaveStore:
                     for location, chunks in self._chunks.get(request.program_id, {}).items()
                     for _, rows in chunks
                     if type(rows) is PendingRows and rows.arena.device.type != "cpu"]
-            more = sum(rows.count * rows.arena.row_bytes for rows, _ in mine)
+            more = sum(_bytes(rows) for rows, _ in mine)
             if group and size + more > host_copies.STAGING_BYTES:
                 gather_together(waiting)
                 yield group
