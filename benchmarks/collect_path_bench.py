@@ -2,8 +2,9 @@
 default on a GPU): each stage of the path timed on its own, without an engine.
 
 The compiled benchmark's *collecting* column (`compiled_bench.py --engine-core-apart`) times the
-whole path as a user's `LLM` runs it: the worker moves the saves to the host (`to host`),
-encodes them (`encode`: into files in shared memory, or into the message), vLLM's engine core
+whole path as a user's `LLM` runs it: the worker moves the saves to the host (`to host`: through
+shared memory, straight into each request's file), encodes them (`encode`: names the files, or
+puts the bytes into the message), vLLM's engine core
 puts the result into a message (`msgpack out`) and its client reads it back (`msgpack in`), and
 the client decodes it (`decode`: maps the files, or copies out of the message). What the column
 shows beyond the sum of these stages is the utility call's round trip through the engine core.
@@ -48,15 +49,16 @@ def one_collection(saves: list[torch.Tensor], shared: bool, staging: torch.Tenso
 
     collected: wire.Collected = {f"request-{index}": {"error": None, "saved": {"layer": rows}}
                                  for index, rows in enumerate(saves)}
+    files = wire.SharedFiles() if shared else None
 
-    def to_host() -> None:
+    def to_host() -> None:  # as `SaveStore.collect` does: into the files, where there are some
         mover = host_copies.ToHost(lambda: staging)
-        for result in collected.values():
-            mover.add_all(result["saved"])
+        for key, result in collected.items():
+            mover.add_all(result["saved"], files.places(key, result["saved"]) if files else None)
         mover.flush()
 
     timed("to host", to_host)
-    data = timed("encode", lambda: wire.encode(collected, views=views, shared=shared))
+    data = timed("encode", lambda: wire.encode(collected, views=views, files=files))
     message = EngineCoreOutputs(utility_output=UtilityOutput(call_id=1,
                                                              result=UtilityResult(data)))
     frames = timed("msgpack out", lambda: [bytes(memoryview(frame)) for frame in  # type: ignore[arg-type]

@@ -381,6 +381,31 @@ def test_a_collection_larger_than_a_staging_buffer_gathers_in_groups(monkeypatch
             assert torch.equal(value, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
 
 
+def test_a_collection_for_another_process_writes_rows_into_files_from_the_staging_buffer(
+        monkeypatch) -> None:
+    """A client in another process on this host (`wire.SharedFiles`): each request's rows go
+    from the staging buffer straight into its file, none into memory of the worker's own, and
+    the client gets them back as they were saved."""
+    from vllm_runner import wire
+
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
+    landed: list[int] = []
+    land = host_copies.land
+    monkeypatch.setattr(host_copies, "land", lambda pairs: landed.append(len(pairs)) or land(pairs))
+    store, _ = three_requests_over_six_blocks(_DeviceArena(width=2, block_bytes=48))
+    files = wire.SharedFiles()
+    found = store.collect([(key, 12, {"a": None, "b": None}) for key in "xyz"], files.places)
+    assert all(value.is_meta for saved in found.values() for value in saved.values())
+    assert not any(landed)
+    data = wire.encode({key: {"error": None, "saved": saved} for key, saved in found.items()},
+                       files=files)
+    assert all(data[key]["segment"] for key in "xyz")
+    for result in wire.decode(data).values():
+        for value in result["saved"].values():
+            assert torch.equal(value, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
+
+
 @settings(deadline=None, max_examples=150)
 @given(st.integers(1, 4), st.lists(st.tuples(st.booleans(), st.integers(-1, 3), st.booleans()),
                                    min_size=1, max_size=10))

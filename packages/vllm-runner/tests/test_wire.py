@@ -39,6 +39,32 @@ def collected() -> wire.Collected:
             "b": {"error": "save at layers.9: no such layer", "saved": {}}}
 
 
+def moved(sent: wire.Collected, into: Any = None) -> wire.Collected:
+    """A copy of `sent` after its tensors moved to the host as a collection moves them
+    (`SaveStore.collect`): each request's `into` its places in a file, if given."""
+    copied = {key: {**result, "saved": dict(result["saved"])} for key, result in sent.items()}
+    mover = host_copies.ToHost(host_copies.staging_buffer)
+    for key, result in copied.items():
+        mover.add_all(result["saved"], into(key, result["saved"]) if into else None)
+    mover.flush()
+    return copied
+
+
+def encoded(sent: wire.Collected, views: bool = False, shared: bool = False) -> wire.Collected:
+    """`wire.encode` of `sent` as a worker calls it: with `shared`, each request's saves
+    written into its file as they reach the host (`wire.SharedFiles`)."""
+    files = wire.SharedFiles() if shared else None
+    return wire.encode(moved(sent, files.places if files else None), views=views, files=files)
+
+
+def written_file(size: int = 64) -> str:
+    """A file of `size` zero bytes made as a collection makes one, closed for its client."""
+    file = shm_files.create(size)
+    assert file is not None and file.write_at(memoryview(bytes(size)), 0)
+    file.close()
+    return file.path
+
+
 def through_vllm(data: wire.Collected) -> wire.Collected:
     """What the client receives of a `collective_rpc` result (vLLM's encoder and decoder; the
     engine core's output thread encodes into a buffer it reuses)."""
@@ -67,13 +93,16 @@ def through_pickle(data: wire.Collected) -> wire.Collected:
     (through_vllm, True), (through_vllm_typed, True), (lambda data: data, True)])
 @pytest.mark.parametrize("landing_threads", [1, 3])
 @pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("from_a_device", [False, True], ids=["host", "device"])
 def test_saves_cross_unchanged(monkeypatch, transport, views: bool, landing_threads,
-                               shared: bool) -> None:
+                               shared: bool, from_a_device: bool) -> None:
     monkeypatch.setattr(host_copies, "LANDING_THREADS", landing_threads)
     monkeypatch.setattr(host_copies, "PARALLEL_BYTES", 16)  # three threads copy into each
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)  # every request with saves gets a file
+    # From a device, every tensor crosses the staging buffer (into its file from there).
+    monkeypatch.setattr(host_copies, "on_a_device", lambda rows: from_a_device)
     sent = collected()
-    data = wire.encode(sent, views=views, shared=shared)
+    data = encoded(sent, views=views, shared=shared)
     assert bool(data["a"]["segment"]) == shared and data["b"]["segment"] is None  # none saved
     received = wire.decode(transport(data))
     assert not left_behind()
@@ -99,25 +128,49 @@ def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_refused() -> None:
         wire.decode({"a": {"error": None, "saved": {"x": ["float32", [2, 3], b"\0" * 4]}}})
 
 
-def test_where_shared_memory_has_no_room_saves_go_in_the_message(monkeypatch) -> None:
+@pytest.mark.parametrize("from_a_device", [False, True], ids=["host", "device"])
+def test_where_shared_memory_fills_up_saves_go_in_the_message(monkeypatch,
+                                                              from_a_device: bool) -> None:
     def full(descriptor: int, data: memoryview, offset: int) -> int:
-        if offset:  # the first write fits, the second does not
+        if offset >= 64:  # the first tensor (140 bytes) fits up to here, the rest does not
             raise OSError(errno.ENOSPC, "No space left on device")
         return min(len(data), 8)  # a short write: the rest follows
 
     monkeypatch.setattr(os, "pwrite", full)
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    monkeypatch.setattr(host_copies, "on_a_device", lambda rows: from_a_device)
     sent = collected()
-    data = wire.encode(sent, shared=True)
+    data = encoded(sent, shared=True)
     assert data["a"]["segment"] is None and not left_behind()
-    assert torch.equal(wire.decode(through_vllm(data))["a"]["saved"]["strided"],
-                       sent["a"]["saved"]["strided"])
+    received = wire.decode(through_vllm(data))["a"]["saved"]
+    for location, tensor in sent["a"]["saved"].items():
+        assert torch.equal(received[location], tensor), location
+
+
+def test_saves_written_before_shared_memory_filled_up_are_read_back(monkeypatch) -> None:
+    def full(descriptor: int, data: memoryview, offset: int) -> int:
+        if offset >= 192:  # the first tensor fits (140 bytes at 0), the second (at 192) not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(descriptor, data, offset)
+
+    original = os.pwrite
+    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    sent = collected()
+    written = moved(sent, (files := wire.SharedFiles()).places)
+    assert written["a"]["saved"]["layers.0.layer_output"].is_meta  # in the file
+    assert not written["a"]["saved"]["layers.0.mlp_neurons"].is_meta  # did not fit
+    data = wire.encode(written, files=files)
+    assert data["a"]["segment"] is None and not left_behind()
+    received = wire.decode(through_vllm(data))["a"]["saved"]
+    for location, tensor in sent["a"]["saved"].items():
+        assert torch.equal(received[location], tensor), location
 
 
 def test_a_client_that_cannot_decode_still_removes_every_file(monkeypatch) -> None:
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
     sent = {key: collected()["a"] for key in ("first", "second", "third")}
-    data = through_vllm(wire.encode(sent, shared=True))
+    data = through_vllm(encoded(sent, shared=True))
     data["second"]["saved"]["strided"][0] = "float7"
     assert len(left_behind()) == 3
     with pytest.raises(ValueError, match="'float7'"):
@@ -129,9 +182,7 @@ def test_files_no_client_opens_are_removed_once_abandoned(monkeypatch) -> None:
     clock = [1000.0]
     monkeypatch.setattr(shm_files.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(shm_files, "MADE", PerProcess(shm_files._Made))
-    piece = [memoryview(bytes(64))]
-    abandoned, opened = shm_files.write(piece, 64), shm_files.write(piece, 64)
-    assert abandoned and opened
+    abandoned, opened = written_file(), written_file()
     shm_files.attach(opened, 64)  # a client took this one
     # Another process's file, killed before its exit could remove it.
     killed = os.path.join(shm_files.DIRECTORY, "vllm-interp-999999999-killed")
@@ -140,11 +191,11 @@ def test_files_no_client_opens_are_removed_once_abandoned(monkeypatch) -> None:
     long_ago = time.time() - shm_files.ABANDONED_AFTER_S - 1
     for path in (abandoned, killed):
         os.utime(path, (long_ago, long_ago))
-    young = shm_files.write(piece, 64)
-    assert young and os.path.exists(abandoned)  # the directory was looked at too recently
+    young = written_file()
+    assert os.path.exists(abandoned)  # the directory was looked at too recently
     clock[0] += shm_files._PRUNE_EVERY_S
-    latest = shm_files.write(piece, 64)
-    assert latest and not os.path.exists(abandoned) and not os.path.exists(killed)
+    latest = written_file()
+    assert not os.path.exists(abandoned) and not os.path.exists(killed)
     made = shm_files.MADE.current()
     assert made is not None
     assert made.paths == {young, latest}  # the opened one forgotten, the rest kept
@@ -153,8 +204,7 @@ def test_files_no_client_opens_are_removed_once_abandoned(monkeypatch) -> None:
 
 
 def test_a_process_removes_its_unopened_files_when_it_exits_and_no_one_else_s() -> None:
-    parent_file = shm_files.write([memoryview(bytes(64))], 64)
-    assert parent_file
+    parent_file = written_file()
     for method in ("fork", "spawn"):
         context = multiprocessing.get_context(method)
         written = context.Queue()
@@ -170,16 +220,22 @@ def test_a_process_removes_its_unopened_files_when_it_exits_and_no_one_else_s() 
 
 
 def _write_a_file_and_exit(written: Any) -> None:
-    written.put(shm_files.write([memoryview(bytes(64))], 64))
+    written.put(written_file())
 
 
-def test_a_write_stopped_by_an_interruption_leaves_no_file(monkeypatch) -> None:
+@pytest.mark.parametrize("from_a_device", [False, True], ids=["host", "device"])
+def test_a_collection_stopped_by_an_interruption_leaves_no_file(monkeypatch,
+                                                                from_a_device: bool) -> None:
     def interrupted(descriptor: int, data: memoryview, offset: int) -> int:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "pwrite", interrupted)
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    monkeypatch.setattr(host_copies, "on_a_device", lambda rows: from_a_device)
+    sent = collected()
+    worker = worker_with("mp", sent)
     with pytest.raises(KeyboardInterrupt):
-        shm_files.write([memoryview(bytes(64))], 64)
+        WorkerRPC.interp_collect(worker, [], True, shm_files.identity())  # type: ignore[arg-type]
     assert not left_behind()
 
 
@@ -188,11 +244,11 @@ def test_saves_go_in_the_message_where_a_file_would_leave_shared_memory_short(
     room = os.statvfs(shm_files.DIRECTORY)
     free = room.f_bavail * room.f_frsize
     keep = max(shm_files.KEEP_FREE_BYTES, room.f_blocks * room.f_frsize // 4)
-    assert shm_files.write([memoryview(bytes(64))], free - keep + 1) is None
+    assert shm_files.create(free - keep + 1) is None
     assert not left_behind()
     monkeypatch.setattr(shm_files, "KEEP_FREE_BYTES", free)
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
-    assert wire.encode(collected(), shared=True)["a"]["segment"] is None
+    assert encoded(collected(), shared=True)["a"]["segment"] is None
 
 
 def test_a_file_this_process_cannot_open_is_named_with_the_way_around_it() -> None:
@@ -215,7 +271,8 @@ def worker_with(backend: str, sent: wire.Collected, world_size: int = 1) -> Simp
     """What `WorkerRPC.interp_collect` reads of its worker, under an executor `backend`, with
     `sent` its collection."""
     return SimpleNamespace(
-        model_runner=SimpleNamespace(interp=SimpleNamespace(collect=lambda finished: sent)),
+        model_runner=SimpleNamespace(interp=SimpleNamespace(
+            collect=lambda finished, into=None: moved(sent, into))),
         vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
             distributed_executor_backend=backend, world_size=world_size)))
 

@@ -11,7 +11,9 @@ That last copy writes into fresh memory, and first writes to fresh pages are wha
 kernel faults each page in and zeroes it): one thread wrote 1.1 MB pieces at ~2.4 GB/s on the
 H200's host, 48 ms of a 0.73 s run saving one layer of Llama-1B for 64 requests (2026-12-04). The
 copy is split by bytes over a few threads (`LANDING_THREADS`; torch's copies release the GIL), so
-the faults are taken on several cores at once.
+the faults are taken on several cores at once. Saves bound for a file in shared memory (a client
+in another process: `wire`) skip that copy: their bytes go from the staging buffer straight into
+the file (`FileFor`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import os
 from collections import defaultdict
 from collections.abc import Callable, MutableMapping, MutableSequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 
 from vllm_runner.per_process import PerProcess
+from vllm_runner.shm_files import SharedFile
 
 STAGING_BYTES = 64 * 2**20
 _ALIGN = 64  # bytes: every tensor starts at an offset any dtype can be viewed at
@@ -37,6 +41,14 @@ PARALLEL_BYTES = 4 * 2**20
 # Where a tensor waiting to move lives: `holder[slot]` (a dict of saves and its location, or a
 # chunk `[first position, rows]` and 1), replaced by the host tensor once copied.
 Holder = MutableMapping[str, Any] | MutableSequence[Any]
+
+
+class FileFor(NamedTuple):
+    """Where a tensor's bytes go instead of host memory of its own: `offset` in a file in
+    shared memory being written for its client."""
+
+    file: SharedFile
+    offset: int
 
 
 def on_a_device(rows: torch.Tensor) -> bool:
@@ -55,34 +67,42 @@ class ToHost:
 
     Host tensors are left where they are, except slices, which are cloned: a slice of a step
     read shared by several requests (`serving.serve_together`) would otherwise keep every
-    request's rows alive."""
+    request's rows alive. A tensor given a `FileFor` has its bytes written into that file
+    instead (from the staging buffer for a device tensor) and is replaced by a tensor of its
+    dtype and shape on the meta device (no memory); where the file's write fails (shared
+    memory filled up), it gets memory of its own as any other."""
 
     def __init__(self, staging: Callable[[], torch.Tensor]) -> None:
         self._staging = staging
-        self._batch: list[tuple[Holder, Any, torch.Tensor]] = []
+        self._batch: list[tuple[Holder, Any, torch.Tensor, FileFor | None]] = []
         self._size = 0
 
-    def add(self, holder: Holder, slot: Any) -> None:
-        """Move `holder[slot]` to the host: now if it is there already or too large for a
-        batch, else with its batch (by `flush` at the latest)."""
+    def add(self, holder: Holder, slot: Any, into: FileFor | None = None) -> None:
+        """Move `holder[slot]` to the host (or `into` a file): now if it is there already or
+        too large for a batch, else with its batch (by `flush` at the latest)."""
         rows = holder[slot]
         if not on_a_device(rows):
-            if rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
+            if into is not None and write_into(into, rows):
+                holder[slot] = _placeholder(rows)
+            elif rows.untyped_storage().nbytes() != rows.numel() * rows.element_size():
                 holder[slot] = rows.clone()
             return
         size = _aligned(rows.numel() * rows.element_size())
         if size > STAGING_BYTES:  # one save of over 64 MiB (long prompts): window by window
             holder[slot] = _copy_through(rows, self._staging())
+            if into is not None and write_into(into, holder[slot]):
+                holder[slot] = _placeholder(rows)
             return
         if self._size + size > STAGING_BYTES:
             self.flush()
-        self._batch.append((holder, slot, rows))
+        self._batch.append((holder, slot, rows, into))
         self._size += size
 
-    def add_all(self, saved: dict[str, torch.Tensor]) -> None:
-        """`add` every tensor of a request's saves."""
+    def add_all(self, saved: dict[str, torch.Tensor],
+                into: dict[str, FileFor] | None = None) -> None:
+        """`add` every tensor of a request's saves (`into` their places in a file, if given)."""
         for location in saved:
-            self.add(saved, location)
+            self.add(saved, location, into.get(location) if into else None)
 
     def flush(self) -> None:
         """Copy the waiting device tensors now."""
@@ -108,24 +128,47 @@ def _copy_through(rows: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _copy_batch(batch: list[tuple[Holder, Any, torch.Tensor]], staging: torch.Tensor) -> None:
+def _copy_batch(batch: list[tuple[Holder, Any, torch.Tensor, FileFor | None]],
+                staging: torch.Tensor) -> None:
     """One device-to-host copy per dtype for `batch` (at most `STAGING_BYTES` together, each
-    tensor's bytes aligned); each entry gets its own host tensor."""
-    by_dtype: dict[torch.dtype, list[tuple[Holder, Any, torch.Tensor]]] = defaultdict(list)
+    tensor's bytes aligned); each entry gets its own host tensor, or its bytes written from the
+    staging buffer into its file (several files on several threads)."""
+    by_dtype: dict[torch.dtype, list[tuple[Holder, Any, torch.Tensor, FileFor | None]]] = \
+        defaultdict(list)
     for entry in batch:
         by_dtype[entry[2].dtype].append(entry)
     at = 0
     for dtype, entries in by_dtype.items():
-        flat = torch.cat([rows.reshape(-1) for _, _, rows in entries])
+        flat = torch.cat([entry[2].reshape(-1) for entry in entries])
         size = flat.numel() * flat.element_size()
         landed = staging[at:at + size].view(dtype)
         landed.copy_(flat)  # waits for the device: the host reads it next
-        pieces = landed.split([rows.numel() for _, _, rows in entries])
-        copies = [torch.empty(rows.shape, dtype=dtype) for _, _, rows in entries]
-        land([(copy.view(-1), piece) for copy, piece in zip(copies, pieces, strict=True)])
-        for (holder, slot, _), copy in zip(entries, copies, strict=True):
-            holder[slot] = copy
+        pieces = landed.split([entry[2].numel() for entry in entries])
+        written = iter(in_parallel([partial(write_into, into, piece) for (*_, into), piece
+                                    in zip(entries, pieces, strict=True) if into is not None]))
+        pairs = []
+        for (holder, slot, rows, into), piece in zip(entries, pieces, strict=True):
+            if into is not None and next(written):
+                holder[slot] = _placeholder(rows)
+                continue
+            holder[slot] = torch.empty(rows.shape, dtype=dtype)
+            pairs.append((holder[slot].view(-1), piece))
+        land(pairs)
         at += _aligned(size)
+
+
+def write_into(into: FileFor, rows: torch.Tensor) -> bool:
+    """Write host `rows`' bytes at `into`'s place in its file; whether they went in (a file
+    that failed once takes nothing more)."""
+    if not rows.numel():
+        return True
+    return into.file.write_at(rows.contiguous().view(-1).view(torch.uint8).numpy().data,
+                              into.offset)
+
+
+def _placeholder(rows: torch.Tensor) -> torch.Tensor:
+    """What stands for a tensor written into a file: its dtype and shape, no memory."""
+    return torch.empty(rows.shape, dtype=rows.dtype, device="meta")
 
 
 def land(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

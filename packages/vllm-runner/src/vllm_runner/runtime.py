@@ -37,7 +37,7 @@ from vllm_runner.step_plan import (
     ScheduledRequest,
     plan_step,
 )
-from vllm_runner.store import Keep, SaveStore, ToCollect
+from vllm_runner.store import Keep, Places, SaveStore, ToCollect
 from vllm_runner.tap_steering import steered_rows
 from vllm_runner.taps import install_taps, serve_taps
 
@@ -474,14 +474,16 @@ class Runtime:
 
     # ------------------------------------------------------------------ collection
 
-    def collect(self, finished: Sequence[Finished]) -> dict[str, Collected]:
+    def collect(self, finished: Sequence[Finished], into: Places | None = None
+                ) -> dict[str, Collected]:
         """Finished requests' saves, trimmed to their final output, filtered by their ops, on
-        the host, and their errors; all at once, so saves on a GPU cross to the host in a few
-        large copies. Each request is forgotten afterwards."""
+        the host (or `into` files for a client in another process: `SaveStore.collect`), and
+        their errors; all at once, so saves on a GPU cross to the host in a few large copies.
+        Each request is forgotten afterwards."""
         saved = self.store.collect([
             ToCollect(request["program_id"], request["computed"],
                       self._filters(request["program_id"], request["prompt_length"]))
-            for request in finished])
+            for request in finished], into)
         collected: dict[str, Collected] = {}
         for request in finished:
             program_id = request["program_id"]

@@ -6,9 +6,11 @@ bytes were copied four more times after the worker had them (into the message, t
 socket twice, out of the message): 0.13-0.16 s for 71 MB on the H200's host, against 0.016 s
 with the client in the engine core's process (Llama-1B, one layer saved for 64 requests,
 2026-12-04). Through a file the worker copies each tensor once, with `pwrite` (no mapping: a full
-`/dev/shm` is an error there, never a SIGBUS later; and no page is zeroed before it is written),
-and the client maps the file and unlinks it at once: the tensors are views of that mapping,
-memory of their own that is freed when the last of the request's tensors is.
+`/dev/shm` is an error there, never a SIGBUS later; and no page is zeroed before it is written)
+straight from its staging buffer as the saves reach the host (`SharedFile`, written by
+`host_copies.ToHost`), and the client maps the file and unlinks it at once: the tensors are
+views of that mapping, memory of their own that is freed when the last of the request's tensors
+is.
 
 Shared memory is shared with vLLM's own message queues and with every other program on the host,
 and saves a client keeps stay in it: a file is written only while a quarter of `/dev/shm` (at
@@ -72,8 +74,62 @@ def identity() -> str | None:
     return f"{socket.gethostname()}:{found.st_dev}:{found.st_ino}"
 
 
-def write(pieces: list[memoryview], size: int) -> str | None:
-    """A new file in shared memory holding `pieces` back to back (`size` bytes in all), or
+class SharedFile:
+    """A file in shared memory being written (`create`): bytes go in at given offsets, from
+    several threads at once; a failed write (shared memory full) marks it `failed`, and later
+    writes are refused, so its request's saves go another way (`read_at` gives back what was
+    written)."""
+
+    def __init__(self, path: str, descriptor: int, size: int) -> None:
+        self.path, self.size, self.failed = path, size, False
+        self._descriptor: int | None = descriptor
+
+    def write_at(self, data: memoryview, offset: int) -> bool:
+        """Write `data` at `offset`; `False` (and the file `failed`) where it did not fit, or
+        where an earlier write had failed."""
+        if self.failed or self._descriptor is None:
+            return False
+        remaining = data.cast("B")
+        try:
+            while remaining:
+                written = os.pwrite(self._descriptor, remaining, offset)
+                remaining, offset = remaining[written:], offset + written
+        except OSError:  # ENOSPC: shared memory filled since `create` (never a SIGBUS later)
+            self.failed = True
+            return False
+        return True
+
+    def read_at(self, offset: int, size: int) -> bytearray:
+        """The `size` bytes at `offset` (written by `write_at`), in memory of their own."""
+        if self._descriptor is None:
+            raise RuntimeError(f"{self.path} was closed before its bytes were read back")
+        found = bytearray(size)
+        view = memoryview(found)
+        while view:
+            read = os.preadv(self._descriptor, [view], offset)
+            if not read:
+                raise RuntimeError(f"{self.path} ended {len(view)} bytes before offset "
+                                   f"{offset + size}")
+            view, offset = view[read:], offset + read
+        return found
+
+    def close(self) -> None:
+        """Stop writing: the file stays for its client to `attach`, `size` bytes long (the
+        padding after its last tensor was never written)."""
+        if self._descriptor is not None:
+            with contextlib.suppress(OSError):  # a hole: nothing to allocate
+                os.ftruncate(self._descriptor, self.size)
+            os.close(self._descriptor)
+            self._descriptor = None
+
+    def discard(self) -> None:
+        """Close and remove the file (no client will open it)."""
+        self.close()
+        _forget(MADE.get(), self.path)
+
+
+def create(size: int) -> SharedFile | None:
+    """A new, empty file in shared memory for `size` bytes, open for `SharedFile.write_at`, or
     `None` where shared memory cannot hold it (no `/dev/shm`, too little room): the caller
     sends the bytes another way. Safe to call from several threads at once."""
     if size <= 0 or not _has_room(size):
@@ -82,26 +138,12 @@ def write(pieces: list[memoryview], size: int) -> str | None:
     _prune(state)
     path = os.path.join(DIRECTORY, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
     with state.lock:
         state.paths.add(path)
-    try:
-        offset = 0
-        for piece in pieces:
-            remaining = piece.cast("B")
-            while remaining:
-                written = os.pwrite(descriptor, remaining, offset)
-                remaining, offset = remaining[written:], offset + written
-    except BaseException as error:  # ENOSPC (never a SIGBUS later), or an interruption
-        _forget(state, path)
-        if isinstance(error, OSError):
-            return None
-        raise
-    finally:
-        os.close(descriptor)
-    return path
+    return SharedFile(path, descriptor, size)
 
 
 def attach(path: str, size: int) -> torch.Tensor:

@@ -24,6 +24,9 @@ WHOLE = -1
 
 #: Which positions of a saved name are kept: `position -> bool`, or `None` for every one.
 Keep = Callable[[int], bool] | None
+#: Where a collection writes a request's tensors instead of memory of their own: given its program
+#: id and tensors, their places in a file, or `None` (`wire.SharedFiles.places`).
+Places = Callable[[str, dict[str, torch.Tensor]], dict[str, host_copies.FileFor] | None]
 
 
 class Chunk(list[Any]):
@@ -229,11 +232,13 @@ class SaveStore:
             self._staging = host_copies.staging_buffer()
         return self._staging
 
-    def collect(self, requests: list[ToCollect]
+    def collect(self, requests: list[ToCollect], into: Places | None = None
                 ) -> dict[str, dict[str, torch.Tensor]]:
         """Everything saved for each `ToCollect`, in position order, below
         position `computed`, on the host (the client's process may have no GPU, or another one),
-        each tensor in memory of its own.
+        each tensor in memory of its own — or, where `into` gives a request's tensors places in
+        a file (`wire.SharedFiles.places`), written there and stood for by tensors on the meta
+        device (`host_copies.ToHost`).
 
         `computed` is how many positions belong to the final output (prompt plus generated
         tokens but the last); rows beyond it came from steps the scheduler ran ahead.
@@ -252,7 +257,8 @@ class SaveStore:
             for program_id, computed, wanted in group:
                 found[program_id] = self._rows(program_id, computed, wanted)
                 # Request by request: at most a batch is joined at a time.
-                mover.add_all(found[program_id])
+                mover.add_all(found[program_id],
+                              into(program_id, found[program_id]) if into else None)
         mover.flush()
         return found
 

@@ -17,18 +17,19 @@ threads at once (`host_copies.land`): like the worker's copies out of its stagin
 write fresh pages, one thread's ~3.5 GB/s on the H200's host.
 
 A client on the worker's host with a single worker takes large saves through files in shared
-memory instead (`shm_files`): one copy in the worker, none in the client.
+memory instead (`shm_files`, `SharedFiles`): the collection writes them there from its staging
+buffer as they reach the host (one copy in the worker), and the client maps the files (none).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
 import torch
 
 from vllm_runner import host_copies, shm_files
+from vllm_runner.host_copies import FileFor
 
 # One collection: program id -> {"error": str | None, "saved": {location: tensor}}; encoded, each
 # result also names its `"segment"` in shared memory (`[path, bytes]`) or `None`.
@@ -41,22 +42,53 @@ SHARED_MIN_BYTES = 2**20
 _ALIGN = 64  # bytes: every tensor in a file starts where any dtype can be viewed
 
 
-def encode(collected: Collected, views: bool = False, shared: bool = False) -> Collected:
+class SharedFiles:
+    """The files in shared memory one collection writes its large requests' saves into, for a
+    client on this host: one per request whose saves come to `SHARED_MIN_BYTES` or more, while
+    shared memory has room (`shm_files.create`); the rest go inside the message."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, shm_files.SharedFile] = {}
+
+    def places(self, program_id: str, saved: dict[str, torch.Tensor]
+               ) -> dict[str, FileFor] | None:
+        """Where each of a request's tensors goes in a new file of its own (`_offsets`), or
+        `None` where they go inside the message (for `host_copies.ToHost.add_all`)."""
+        offsets, size = _offsets(saved.values())
+        if size < SHARED_MIN_BYTES:
+            return None
+        file = shm_files.create(size)
+        if file is None:
+            return None
+        self.files[program_id] = file
+        return {location: FileFor(file, offset)
+                for location, offset in zip(saved, offsets, strict=True)}
+
+    def discard(self) -> None:
+        """Remove every file (the collection failed: no client will open them)."""
+        for file in self.files.values():
+            file.discard()
+        self.files.clear()
+
+
+def encode(collected: Collected, views: bool = False, files: SharedFiles | None = None
+           ) -> Collected:
     """`collected` with each host tensor replaced by `[dtype name, shape, raw bytes]`: `bytes`,
     or with `views` a memoryview of the tensor's own memory (for msgpack only: see above).
 
-    With `shared` (the client runs on this host), a request whose saves come to
-    `SHARED_MIN_BYTES` or more has them written into a file in shared memory (`shm_files`; the
-    requests' files on several threads), named in its `"segment"` as `[path, bytes]`, and each
-    tensor travels as `[dtype name, shape, offset in the file]`; where shared memory has no
-    room, in the message as above."""
-    large = [program_id for program_id, result in collected.items()
-             if shared and _offsets(result["saved"].values())[1] >= SHARED_MIN_BYTES]
-    paths = dict(zip(large, host_copies.in_parallel(
-        [functools.partial(_write_file, collected[program_id]["saved"])
-         for program_id in large]), strict=True))
-    return {program_id: _encode_result(result, views, paths.get(program_id))
-            for program_id, result in collected.items()}
+    A request given a file by `files` (the client runs on this host) has its tensors there,
+    written as they reached the host (tensors on the meta device stand for them) or now; its
+    result names the file in its `"segment"` as `[path, bytes]`, and each tensor travels as
+    `[dtype name, shape, offset in the file]`. Where a file's writes failed (shared memory
+    filled up), its request's saves are read back and go inside the message. Every file is
+    removed if encoding fails."""
+    files = files or SharedFiles()
+    try:
+        return {program_id: _encode_result(result, views, files.files.get(program_id))
+                for program_id, result in collected.items()}
+    except BaseException:
+        files.discard()
+        raise
 
 
 def decode(data: Collected) -> Collected:
@@ -86,30 +118,48 @@ def _segment_paths(data: Any) -> list[str]:
             if isinstance(segment, list | tuple) and segment and isinstance(segment[0], str)]
 
 
-def _encode_result(result: dict[str, Any], views: bool, path: str | None) -> dict[str, Any]:
-    """One request's result as plain data (see `encode`): its tensors in the message, or where
-    `_write_file` wrote them into the file at `path`."""
+def _encode_result(result: dict[str, Any], views: bool, file: shm_files.SharedFile | None
+                   ) -> dict[str, Any]:
+    """One request's result as plain data (see `encode`): its tensors in `file`, or in the
+    message."""
     saved: dict[str, torch.Tensor] = result["saved"]
-    if path is None:
+    offsets, size = _offsets(saved.values())
+    if file is not None and not _all_in(file, saved, offsets):
+        saved = {location: _read_back(file, tensor, offset) for (location, tensor), offset
+                 in zip(saved.items(), offsets, strict=True)}
+        file.discard()
+        file = None
+    if file is None:
         return {"error": result["error"], "segment": None,
                 "saved": {location: _encode_tensor(tensor, views)
                           for location, tensor in saved.items()}}
-    offsets, size = _offsets(saved.values())
-    return {"error": result["error"], "segment": [path, size],
+    file.close()
+    return {"error": result["error"], "segment": [file.path, size],
             "saved": {location: [_dtype_name(tensor), list(tensor.shape), offset]
                       for (location, tensor), offset in zip(saved.items(), offsets,
                                                             strict=True)}}
 
 
-def _write_file(saved: dict[str, torch.Tensor]) -> str | None:
-    """A file in shared memory holding `saved`'s tensors at `_offsets`, or `None`."""
-    pieces: list[memoryview] = []
-    for tensor in saved.values():
-        flat = _flat_bytes(tensor).numpy()
-        pieces.append(flat.data)
-        if padding := -flat.size % _ALIGN:
-            pieces.append(memoryview(bytes(padding)))
-    return shm_files.write(pieces, _offsets(saved.values())[1])
+def _all_in(file: shm_files.SharedFile, saved: dict[str, torch.Tensor], offsets: list[int]
+            ) -> bool:
+    """Whether every tensor of `saved` is in `file`: those written already stand on the meta
+    device; host tensors are written now."""
+    for tensor, offset in zip(saved.values(), offsets, strict=True):
+        if not tensor.is_meta and not host_copies.write_into(FileFor(file, offset), tensor):
+            return False
+    return not file.failed
+
+
+def _read_back(file: shm_files.SharedFile, tensor: torch.Tensor, offset: int) -> torch.Tensor:
+    """`tensor` in memory of its own: itself, or (on the meta device) its bytes read back from
+    `file`, where they were written before the file failed."""
+    if not tensor.is_meta:
+        return tensor
+    found = torch.empty(tensor.shape, dtype=tensor.dtype)
+    if found.numel():
+        raw = file.read_at(offset, found.numel() * found.element_size())
+        found.view(-1).view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
+    return found
 
 
 def _offsets(tensors: Any) -> tuple[list[int], int]:

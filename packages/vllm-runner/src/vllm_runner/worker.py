@@ -44,13 +44,20 @@ class WorkerRPC:
         shared memory where the client sees the same as this worker (`shared_memory`, its
         `shm_files.identity`) and this is the engine's only worker; as the tensors themselves
         (`encoded=False`) for an in-process client, which saves the copies."""
-        collected = self.model_runner.interp.collect(finished)
         if not encoded:
-            return dict(collected)
+            return dict(self.model_runner.interp.collect(finished))
         shared = (shared_memory is not None and shared_memory == shm_files.identity()
                   and getattr(self.vllm_config.parallel_config, "world_size", 1) == 1)
+        files = wire.SharedFiles() if shared else None
+        try:
+            collected = self.model_runner.interp.collect(finished,
+                                                         files.places if files else None)
+        except BaseException:
+            if files is not None:
+                files.discard()
+            raise
         return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
-                           shared=shared)
+                           files=files)
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
