@@ -61,7 +61,6 @@ def written_file(size: int = 64) -> str:
     """A file of `size` zero bytes made as a collection makes one, closed for its client."""
     file = shm_files.create(size)
     assert file is not None and file.write_at(memoryview(bytes(size)), 0)
-    file.close()
     return file.path
 
 
@@ -165,6 +164,32 @@ def test_saves_written_before_shared_memory_filled_up_are_read_back(monkeypatch)
     received = wire.decode(through_vllm(data))["a"]["saved"]
     for location, tensor in sent["a"]["saved"].items():
         assert torch.equal(received[location], tensor), location
+
+
+@pytest.mark.parametrize("fits", [64, 1 << 20], ids=["partly", "wholly"])
+def test_a_save_larger_than_the_staging_buffer_goes_into_its_file_window_by_window(
+        monkeypatch, fits: int) -> None:
+    """A save over the staging buffer's size crosses it window by window, each written into
+    the file from there; where shared memory fills up after its first window, that window is
+    read back and the save goes inside the message."""
+    def full(descriptor: int, data: memoryview, offset: int) -> int:
+        if offset >= fits:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(descriptor, data, offset)
+
+    original = os.pwrite
+    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    monkeypatch.setattr(host_copies, "STAGING_BYTES", 64)  # 140 bytes: three windows
+    monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
+    sent = {"a": {"error": None, "saved": {"x": torch.randn(1, 7, 5)}}}
+    files = wire.SharedFiles()
+    written = moved(sent, files.places)
+    assert written["a"]["saved"]["x"].is_meta == (fits > 64)
+    data = wire.encode(written, files=files)
+    assert bool(data["a"]["segment"]) == (fits > 64)
+    assert torch.equal(wire.decode(through_vllm(data))["a"]["saved"]["x"], sent["a"]["saved"]["x"])
+    assert not left_behind()
 
 
 def test_a_client_that_cannot_decode_still_removes_every_file(monkeypatch) -> None:

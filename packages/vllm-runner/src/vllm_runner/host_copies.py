@@ -89,9 +89,7 @@ class ToHost:
             return
         size = _aligned(rows.numel() * rows.element_size())
         if size > STAGING_BYTES:  # one save of over 64 MiB (long prompts): window by window
-            holder[slot] = _copy_through(rows, self._staging())
-            if into is not None and write_into(into, holder[slot]):
-                holder[slot] = _placeholder(rows)
+            holder[slot] = _copy_through(rows, self._staging(), into)
             return
         if self._size + size > STAGING_BYTES:
             self.flush()
@@ -115,17 +113,31 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
-def _copy_through(rows: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
-    """`rows` on the host, copied through `staging` one window of its size at a time."""
-    host = torch.empty(rows.shape, dtype=rows.dtype)
-    flat, landed = rows.reshape(-1), host.view(-1)
+def _copy_through(rows: torch.Tensor, staging: torch.Tensor, into: FileFor | None = None
+                  ) -> torch.Tensor:
+    """`rows` on the host, copied through `staging` one window of its size at a time; with
+    `into`, written window by window from there into its file, and a placeholder returned
+    (where a write fails, the tensor gets memory of its own, the windows written already read
+    back into it)."""
+    flat = rows.reshape(-1)
+    host = None if into is not None else torch.empty(rows.shape, dtype=rows.dtype)
     usable = staging.numel() // rows.element_size() * rows.element_size()
     window = staging[:usable].view(rows.dtype)
     for start in range(0, flat.numel(), window.numel()):
         count = min(window.numel(), flat.numel() - start)
         window[:count].copy_(flat[start:start + count])  # waits for the device
-        land([(landed[start:start + count], window[:count])])
-    return host
+        if host is None and into is not None:
+            written = start * rows.element_size()
+            if write_into(FileFor(into.file, into.offset + written), window[:count]):
+                continue
+            host = torch.empty(rows.shape, dtype=rows.dtype)
+            if written:
+                back = into.file.read_at(into.offset, written)
+                host.view(-1).view(torch.uint8)[:written].copy_(
+                    torch.frombuffer(back, dtype=torch.uint8))
+        assert host is not None
+        land([(host.view(-1)[start:start + count], window[:count])])
+    return host if host is not None else _placeholder(rows)
 
 
 def _copy_batch(batch: list[tuple[Holder, Any, torch.Tensor, FileFor | None]],

@@ -75,75 +75,83 @@ def identity() -> str | None:
 
 
 class SharedFile:
-    """A file in shared memory being written (`create`): bytes go in at given offsets, from
-    several threads at once; a failed write (shared memory full) marks it `failed`, and later
-    writes are refused, so its request's saves go another way (`read_at` gives back what was
-    written)."""
+    """A file in shared memory being written (`create`), `size` bytes long from the start (a
+    hole until written: nothing allocated), bytes going in at given offsets from several
+    threads at once. It holds no descriptor between writes (a collection makes one file per
+    request, thousands of them may be open at once, and a descriptor closed under a late
+    writer could be reused by another file). A failed write (shared memory full) marks it
+    `failed`, and later writes are refused, so its request's saves go another way (`read_at`
+    gives back what was written)."""
 
-    def __init__(self, path: str, descriptor: int, size: int) -> None:
+    def __init__(self, path: str, size: int) -> None:
         self.path, self.size, self.failed = path, size, False
-        self._descriptor: int | None = descriptor
 
     def write_at(self, data: memoryview, offset: int) -> bool:
-        """Write `data` at `offset`; `False` (and the file `failed`) where it did not fit, or
-        where an earlier write had failed."""
-        if self.failed or self._descriptor is None:
+        """Write `data` at `offset`; `False` (and the file `failed`) where it did not fit, where
+        the file is gone (discarded), or where an earlier write had failed."""
+        if self.failed:
             return False
         remaining = data.cast("B")
         try:
+            descriptor = os.open(self.path, os.O_WRONLY)  # never created: gone is a failure
+        except OSError:
+            self.failed = True
+            return False
+        try:
             while remaining:
-                written = os.pwrite(self._descriptor, remaining, offset)
+                written = os.pwrite(descriptor, remaining, offset)
                 remaining, offset = remaining[written:], offset + written
         except OSError:  # ENOSPC: shared memory filled since `create` (never a SIGBUS later)
             self.failed = True
             return False
+        finally:
+            os.close(descriptor)
         return True
 
     def read_at(self, offset: int, size: int) -> bytearray:
         """The `size` bytes at `offset` (written by `write_at`), in memory of their own."""
-        if self._descriptor is None:
-            raise RuntimeError(f"{self.path} was closed before its bytes were read back")
         found = bytearray(size)
         view = memoryview(found)
-        while view:
-            read = os.preadv(self._descriptor, [view], offset)
-            if not read:
-                raise RuntimeError(f"{self.path} ended {len(view)} bytes before offset "
-                                   f"{offset + size}")
-            view, offset = view[read:], offset + read
+        descriptor = os.open(self.path, os.O_RDONLY)
+        try:
+            while view:
+                read = os.preadv(descriptor, [view], offset)
+                if not read:
+                    raise RuntimeError(f"{self.path} ended {len(view)} bytes before offset "
+                                       f"{offset + size}")
+                view, offset = view[read:], offset + read
+        finally:
+            os.close(descriptor)
         return found
 
-    def close(self) -> None:
-        """Stop writing: the file stays for its client to `attach`, `size` bytes long (the
-        padding after its last tensor was never written)."""
-        if self._descriptor is not None:
-            with contextlib.suppress(OSError):  # a hole: nothing to allocate
-                os.ftruncate(self._descriptor, self.size)
-            os.close(self._descriptor)
-            self._descriptor = None
-
     def discard(self) -> None:
-        """Close and remove the file (no client will open it)."""
-        self.close()
+        """Remove the file (no client will open it)."""
         _forget(MADE.get(), self.path)
 
 
 def create(size: int) -> SharedFile | None:
-    """A new, empty file in shared memory for `size` bytes, open for `SharedFile.write_at`, or
-    `None` where shared memory cannot hold it (no `/dev/shm`, too little room): the caller
-    sends the bytes another way. Safe to call from several threads at once."""
+    """A new file in shared memory of `size` bytes for `SharedFile.write_at`, or `None` where
+    shared memory cannot hold it (no `/dev/shm`, too little room): the caller sends the bytes
+    another way. Safe to call from several threads at once."""
     if size <= 0 or not _has_room(size):
         return None
     state = MADE.get()
     _prune(state)
     path = os.path.join(DIRECTORY, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     try:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
     with state.lock:
         state.paths.add(path)
-    return SharedFile(path, descriptor, size)
+    try:
+        os.ftruncate(descriptor, size)  # its size for `attach` to check; a hole until written
+    except OSError:
+        _forget(state, path)
+        return None
+    finally:
+        os.close(descriptor)
+    return SharedFile(path, size)
 
 
 def attach(path: str, size: int) -> torch.Tensor:

@@ -133,7 +133,6 @@ def _encode_result(result: dict[str, Any], views: bool, file: shm_files.SharedFi
         return {"error": result["error"], "segment": None,
                 "saved": {location: _encode_tensor(tensor, views)
                           for location, tensor in saved.items()}}
-    file.close()
     return {"error": result["error"], "segment": [file.path, size],
             "saved": {location: [_dtype_name(tensor), list(tensor.shape), offset]
                       for (location, tensor), offset in zip(saved.items(), offsets,

@@ -52,12 +52,12 @@ class WorkerRPC:
         try:
             collected = self.model_runner.interp.collect(finished,
                                                          files.places if files else None)
-        except BaseException:
+            return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
+                               files=files)
+        except BaseException:  # no client will open the files
             if files is not None:
                 files.discard()
             raise
-        return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
-                           files=files)
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
