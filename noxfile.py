@@ -184,14 +184,12 @@ def _workers(package_dir: Path) -> list[str]:
     """pytest-xdist's arguments for a package whose tests run in several processes
     (`[tool.vllm-interp] test-workers`): vllm-runner's spend most of their time waiting on
     engines and servers starting in one core, and took 650 s on two workers against 1,069 s on
-    one (2026-12-02). A file's tests stay on one worker, with their module's engine or server,
-    and files are handed out in the order the package's conftest collects them (heaviest first:
-    xdist's own order puts files with few tests last, and those are the heaviest). The slowest
-    tests are listed at the end: CI must stay under 30 minutes, and they say where its time
-    goes."""
+    one (2026-12-02). A file's tests stay on one worker, with their module's engine or server.
+    The slowest tests are listed at the end: CI must stay under 30 minutes, and they say where
+    its time goes (files handed out late can leave one worker idle)."""
     workers = _pyproject(package_dir).get("tool", {}).get("vllm-interp", {}).get("test-workers")
-    return (["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder",
-             "--durations=25"] if isinstance(workers, int) else [])
+    return (["-n", str(workers), "--dist", "loadfile", "--durations=25"]
+            if isinstance(workers, int) else [])
 
 
 def _vllm_tests_run_with(package_dir: Path) -> str | None:

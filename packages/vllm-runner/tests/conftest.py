@@ -97,31 +97,14 @@ SUITE_ENGINE: dict[str, object] = ({"enforce_eager": False, **SUITE_TAPS} if SUI
                                    else {"enforce_eager": True})
 
 
-# Seconds the heaviest files took on one of two CPU cores (the first pass, 2026-12-04), most of
-# it engines and servers starting. `nox -s tests` hands files to its two pytest-xdist workers in
-# collection order (`--no-loadscope-reorder`), so these go first, heaviest first: xdist's own
-# order puts files with few tests last, and the heaviest files have few (a Ctrl-C, mypy, one
-# server), so one worker ran them alone at the end while the other waited (~2-3 minutes of a CI
-# run that must stay under 30). The numbers only order files; nothing else reads them.
-HEAVY_FILES = {"test_server.py": 825, "test_tensor_parallel.py": 363, "test_server_docs.py": 301,
-               "test_interrupt.py": 269, "test_cli.py": 253, "test_transformers_backend.py": 140,
-               "test_compiled.py": 139, "test_readme.py": 136, "test_types.py": 130,
-               "test_preemption.py": 131, "test_multiprocessing.py": 124,
-               "test_async_llm.py": 117, "test_guide.py": 95, "test_extract.py": 87,
-               "test_serve_command.py": 70, "test_concurrent.py": 57}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Heaviest files first (`HEAVY_FILES`; a file's tests stay together and in order).
-
-    With the suite's engine compiled (`SUITE_COMPILED`), only the tests that use it run: the
+    """With the suite's engine compiled (`SUITE_COMPILED`), only the tests that use it run: the
     others start engines of their own, the same with it or without. Tests marked
     `first_pass_only` are left out too: those whose engines are their own, eager and compiled
     alike (the suite's engine only their oracle: test_compiled.py, test_tensor_parallel.py,
     test_transformers_backend.py), and those whose subject does not change with how the engine
     runs (a server's vector registry). Compiled they would test nothing more than the first pass
     and start their processes twice, in a CI run that must stay under 30 minutes."""
-    items.sort(key=lambda item: -HEAVY_FILES.get(item.path.name, 0))  # stable
     if not SUITE_COMPILED:
         return
     kept = [item for item in items if "llm" in getattr(item, "fixturenames", ())
