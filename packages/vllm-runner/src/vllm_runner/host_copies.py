@@ -51,6 +51,10 @@ class FileFor(NamedTuple):
     offset: int
 
 
+# A tensor waiting in a batch: where it lives, the tensor, and the file its bytes go into (if any).
+_Waiting = tuple[Holder, Any, torch.Tensor, FileFor | None]
+
+
 def on_a_device(rows: torch.Tensor) -> bool:
     """Whether `rows` are off the host (a GPU's memory)."""
     return rows.device.type != "cpu"
@@ -74,7 +78,7 @@ class ToHost:
 
     def __init__(self, staging: Callable[[], torch.Tensor]) -> None:
         self._staging = staging
-        self._batch: list[tuple[Holder, Any, torch.Tensor, FileFor | None]] = []
+        self._batch: list[_Waiting] = []
         self._size = 0
 
     def add(self, holder: Holder, slot: Any, into: FileFor | None = None) -> None:
@@ -140,13 +144,11 @@ def _copy_through(rows: torch.Tensor, staging: torch.Tensor, into: FileFor | Non
     return host if host is not None else _placeholder(rows)
 
 
-def _copy_batch(batch: list[tuple[Holder, Any, torch.Tensor, FileFor | None]],
-                staging: torch.Tensor) -> None:
+def _copy_batch(batch: list[_Waiting], staging: torch.Tensor) -> None:
     """One device-to-host copy per dtype for `batch` (at most `STAGING_BYTES` together, each
     tensor's bytes aligned); each entry gets its own host tensor, or its bytes written from the
     staging buffer into its file (several files on several threads)."""
-    by_dtype: dict[torch.dtype, list[tuple[Holder, Any, torch.Tensor, FileFor | None]]] = \
-        defaultdict(list)
+    by_dtype: dict[torch.dtype, list[_Waiting]] = defaultdict(list)
     for entry in batch:
         by_dtype[entry[2].dtype].append(entry)
     at = 0
