@@ -135,10 +135,7 @@ def _copy_through(rows: torch.Tensor, staging: torch.Tensor, into: FileFor | Non
             if write_into(FileFor(into.file, into.offset + written), window[:count]):
                 continue
             host = torch.empty(rows.shape, dtype=rows.dtype)
-            if written:
-                back = into.file.read_at(into.offset, written)
-                host.view(-1).view(torch.uint8)[:written].copy_(
-                    torch.frombuffer(back, dtype=torch.uint8))
+            read_back(into, flat_bytes(host)[:written])
         assert host is not None
         land([(host.view(-1)[start:start + count], window[:count])])
     return host if host is not None else _placeholder(rows)
@@ -176,8 +173,19 @@ def write_into(into: FileFor, rows: torch.Tensor) -> bool:
     that failed once takes nothing more)."""
     if not rows.numel():
         return True
-    return into.file.write_at(rows.contiguous().view(-1).view(torch.uint8).numpy().data,
-                              into.offset)
+    return into.file.write_at(flat_bytes(rows).numpy().data, into.offset)
+
+
+def read_back(into: FileFor, destination: torch.Tensor) -> None:
+    """Fill `destination` (1-D bytes) with what `write_into` put at `into`'s place."""
+    if destination.numel():
+        destination.copy_(torch.frombuffer(into.file.read_at(into.offset, destination.numel()),
+                                           dtype=torch.uint8))
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bytes as a 1-D uint8 tensor (a contiguous copy first where it is strided)."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def _placeholder(rows: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ def encode(collected: Collected, views: bool = False, files: SharedFiles | None 
     or with `views` a memoryview of the tensor's own memory (for msgpack only: see above).
 
     A request given a file by `files` (the client runs on this host) has its tensors there,
-    written as they reached the host (tensors on the meta device stand for them) or now; its
+    written as they reached the host (tensors on the meta device stand for them); its
     result names the file in its `"segment"` as `[path, bytes]`, and each tensor travels as
     `[dtype name, shape, offset in the file]`. Where a file's writes failed (shared memory
     filled up), its request's saves are read back and go inside the message. Every file is
@@ -124,7 +124,7 @@ def _encode_result(result: dict[str, Any], views: bool, file: shm_files.SharedFi
     message."""
     saved: dict[str, torch.Tensor] = result["saved"]
     offsets, size = _offsets(saved.values())
-    if file is not None and not _all_in(file, saved, offsets):
+    if file is not None and (file.failed or not all(tensor.is_meta for tensor in saved.values())):
         saved = {location: _read_back(file, tensor, offset) for (location, tensor), offset
                  in zip(saved.items(), offsets, strict=True)}
         file.discard()
@@ -139,25 +139,13 @@ def _encode_result(result: dict[str, Any], views: bool, file: shm_files.SharedFi
                                                             strict=True)}}
 
 
-def _all_in(file: shm_files.SharedFile, saved: dict[str, torch.Tensor], offsets: list[int]
-            ) -> bool:
-    """Whether every tensor of `saved` is in `file`: those written already stand on the meta
-    device; host tensors are written now."""
-    for tensor, offset in zip(saved.values(), offsets, strict=True):
-        if not tensor.is_meta and not host_copies.write_into(FileFor(file, offset), tensor):
-            return False
-    return not file.failed
-
-
 def _read_back(file: shm_files.SharedFile, tensor: torch.Tensor, offset: int) -> torch.Tensor:
     """`tensor` in memory of its own: itself, or (on the meta device) its bytes read back from
     `file`, where they were written before the file failed."""
     if not tensor.is_meta:
         return tensor
     found = torch.empty(tensor.shape, dtype=tensor.dtype)
-    if found.numel():
-        raw = file.read_at(offset, found.numel() * found.element_size())
-        found.view(-1).view(torch.uint8).copy_(torch.frombuffer(raw, dtype=torch.uint8))
+    host_copies.read_back(FileFor(file, offset), host_copies.flat_bytes(found))
     return found
 
 
@@ -206,13 +194,9 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
-
-
 def _encode_tensor(tensor: torch.Tensor, views: bool) -> list[Any]:
     # The array keeps the tensor alive, and the memoryview the array, until the message is sent.
-    flat = _flat_bytes(tensor).numpy()
+    flat = host_copies.flat_bytes(tensor).numpy()
     return [_dtype_name(tensor), list(tensor.shape), flat.data if views else flat.tobytes()]
 
 
