@@ -186,10 +186,15 @@ def _workers(package_dir: Path) -> list[str]:
     engines and servers starting in one core, and took 650 s on two workers against 1,069 s on
     one (2026-12-02). A file's tests stay on one worker, with their module's engine or server.
     The slowest tests are listed at the end: CI must stay under 30 minutes, and they say where
-    its time goes (files handed out late can leave one worker idle)."""
+    its time goes (files handed out late can leave one worker idle).
+
+    A worker that dies (the OOM killer took one at 23.5 GB on 2026-12-04) is not replaced: with
+    `loadfile`, xdist's replacement got no work and the run hung until the machine's limit
+    (pytest-dev/pytest-xdist#784); without a restart the run stops at once, naming the test the
+    worker was running."""
     workers = _pyproject(package_dir).get("tool", {}).get("vllm-interp", {}).get("test-workers")
-    return (["-n", str(workers), "--dist", "loadfile", "--durations=25"]
-            if isinstance(workers, int) else [])
+    return (["-n", str(workers), "--dist", "loadfile", "--max-worker-restart", "0",
+             "--durations=25"] if isinstance(workers, int) else [])
 
 
 def _vllm_tests_run_with(package_dir: Path) -> str | None:
