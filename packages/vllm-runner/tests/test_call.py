@@ -10,6 +10,7 @@ from vllm_runner import ops
 
 LOCATION = "layers.1.layer_output"
 KEPT: list[torch.Tensor] = []  # in-process engine: the worker runs in this process
+CONTEXTS: list[tuple[str, list[int], int, int]] = []
 
 
 def keep(value, ctx):
@@ -22,6 +23,10 @@ def halve(value, ctx):
 
 def replace_with_half(value, ctx):
     return value * 0.5
+
+
+def note_context(value, ctx):
+    CONTEXTS.append((ctx.location, ctx.positions.tolist(), ctx.prompt_length, value.shape[1]))
 
 
 def fail(value, ctx):
@@ -39,6 +44,19 @@ def test_kept_values_are_private_and_equal_what_save_returns(llm) -> None:
     (output,) = run(llm, [[ops.Call(LOCATION, keep), ops.Save(LOCATION)]])
     kept = torch.cat(KEPT, dim=1).cpu()  # one copy per step; later layers and steps left them alone
     assert torch.equal(kept[:, : output.saved[LOCATION].shape[1]], output.saved[LOCATION])
+
+
+def test_the_context_gives_each_rows_absolute_position_and_the_prompt_length(llm) -> None:
+    """Over the request's steps (prefill chunks, then one row a decode), `ctx.positions` runs
+    through every position once, in order, one per row of the value lent."""
+    CONTEXTS.clear()
+    (output,) = run(llm, [[ops.Call(LOCATION, note_context)]])
+    assert output.error is None
+    assert {location for location, *_ in CONTEXTS} == {LOCATION}
+    assert {prompt_length for _, _, prompt_length, _ in CONTEXTS} == {len(PROMPTS[1])}
+    assert all(len(positions) == rows for _, positions, _, rows in CONTEXTS)
+    seen = [position for _, positions, _, _ in CONTEXTS for position in positions]
+    assert seen == list(range(len(PROMPTS[1]) + GENERATED - 1))
 
 
 def test_in_place_and_returned_edits_equal_scale(llm) -> None:

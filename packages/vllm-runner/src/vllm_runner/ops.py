@@ -14,11 +14,12 @@ import pickle
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from numbers import Integral
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from tokenspan import READ_MODES, ReadMode, lend
+from tokenspan import READ_MODES, ReadMode, Span, lend
 
 from vllm_runner.op_checks import (
     STEPS,
@@ -451,11 +452,18 @@ class Skip(Op):
 
 @dataclass(frozen=True)
 class CallContext:
-    """What a `Call` function learns about the rows it is given."""
+    """What a `Call` function learns about the rows it is given: `location`, `positions` (the
+    absolute position of each row) and `prompt_length`."""
 
     location: str
-    positions: torch.Tensor
+    _rows: Span = field(repr=False)
     prompt_length: int
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """The absolute position of each row (int64), made when first asked for: most
+        functions never ask, and a `Call` runs for every request at every step."""
+        return self._rows.positions()
 
 
 @dataclass(frozen=True)
@@ -510,8 +518,7 @@ class Call(Op):
             with torch.inference_mode(False):
                 value = visit.read()
             lent = lend(value, "copy" if mode == "copy" else "lease", owned=True)
-        context = CallContext(visit.location, visit.want.span.positions(),
-                              visit.want.step.prompt_length)
+        context = CallContext(visit.location, visit.want.span, visit.want.step.prompt_length)
         result = self._run_user_code(lent.value, context)
         edited = lent.written(result)
         if edited is None:
