@@ -1,4 +1,4 @@
-"""What one tap's Python costs per step: the host time a `Save` at a plain tap adds.
+"""What one tap's Python costs per step: the host time a `Save` (or a `Call`) at a plain tap adds.
 
 Issue [K]'s arm (c), every request saving every layer through the taps' Python, is bounded by
 this host time: on a GPU a CUDA-graph step of a small model takes a few milliseconds, and each
@@ -7,12 +7,15 @@ random Llama (`random_models`' `thin-30`: hidden 64, 30 layers), so the forward 
 little and the difference between generating with and without a `Save` at every layer is
 mostly our Python:
 
-    python benchmarks/tap_cost.py [--requests 64] [--profile]
+    python benchmarks/tap_cost.py [--requests 64] [--op save|call|call-read] [--profile]
 
 (in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
 benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost per tap call
 (the difference over forwards x layers; it includes each request's share of collection at the
-end), and with `--profile` where our code spends it. Results: docs/cuda-graphs-design.md.
+end), and with `--profile` where our code spends it. `--op call` runs a `Call` at every layer
+whose function returns an edited copy (`value * 1.0`: read, edit, check, write back for every
+request), `--op call-read` one that only reads (nothing written): issue [K]'s `call` arm, whose
+cost is this per-request Python at every step. Results: docs/cuda-graphs-design.md.
 """
 
 from __future__ import annotations
@@ -26,11 +29,28 @@ import time
 from typing import Any
 
 
+def edited_copy(value: Any, context: Any) -> Any:
+    """`--op call`'s function: an edit any user could write (a new tensor, written back)."""
+    return value * 1.0
+
+
+def only_read(value: Any, context: Any) -> None:
+    """`--op call-read`'s function: reads the value, changes nothing (nothing is written)."""
+    value.sum()
+
+
+OPS = {"save": lambda ops: ops.Save("layers.*.layer_output"),
+       "call": lambda ops: ops.Call("layers.*.layer_output", edited_copy),
+       "call-read": lambda ops: ops.Call("layers.*.layer_output", only_read)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--op", choices=sorted(OPS), default="save",
+                        help="what every request runs at every layer (default: save)")
     parser.add_argument("--profile", action="store_true", help="also profile one saving run")
     arguments = parser.parse_args()
 
@@ -48,7 +68,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 250 + 1 for j in range(24)])
                for i in range(arguments.requests)]
-    saving = [[ops.Save("layers.*.layer_output")]] * arguments.requests
+    saving = [[OPS[arguments.op](ops)]] * arguments.requests
 
     def timed(programs: Any) -> tuple[float, int]:
         before = sum(llm.forwards().values())
@@ -61,8 +81,8 @@ def main() -> None:
         plain, forwards = timed(None)
         saved, _ = timed(saving)
         per_call = (saved - plain) / (forwards * layers)
-        print(f"repeat {repeat}: without programs {plain:.3f} s, saving every layer {saved:.3f} s"
-              f" ({forwards} forwards): {per_call * 1e6:.0f} us per tap call for "
+        print(f"repeat {repeat}: without programs {plain:.3f} s, {arguments.op} at every layer "
+              f"{saved:.3f} s ({forwards} forwards): {per_call * 1e6:.0f} us per tap call for "
               f"{arguments.requests} requests", flush=True)
     if arguments.profile:
         profile = cProfile.Profile()
