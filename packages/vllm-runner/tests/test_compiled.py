@@ -103,6 +103,16 @@ run("steered then saved in the graph", prompts, plain,
 run("saved then steered at a tap", prompts, plain,
     interventions=[[ops.Save("layers.*.layer_output"),
                     ops.Add("layers.1.layer_output", steer, scale=8.0)], [], []])
+run("ablated in the graph", prompts, plain,
+    interventions=[[ops.ProjectOut("layers.1.layer_output", steer),
+                    ops.Save("layers.1.layer_output")],
+                   [ops.ProjectOut("layers.1.layer_output", other_steer),
+                    ops.Add("layers.1.layer_output", other_steer, scale=8.0)], []])
+run("ablated from the graph after the prompt", prompts, plain,
+    interventions=[[ops.ProjectOut("layers.1.layer_output", steer, steps="decode")], [], []])
+run("steered then ablated at a tap", prompts, plain,
+    interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0),
+                    ops.ProjectOut("layers.1.layer_output", steer)], [], []])
 run("steered elsewhere", prompts, plain,
     interventions=[[ops.Add("layers.1.attention_output", steer, scale=8.0)], [], []])
 
@@ -334,6 +344,55 @@ def test_a_save_beside_steering_at_one_tap_sees_what_its_order_says(
     assert mine["saved"].keys() == eager[0].saved.keys()
     for location, value in mine["saved"].items():
         close(value, eager[0].saved[location], f"{location} against the eager engine")
+
+
+ABLATED = {
+    "ablated in the graph": (
+        "in_graph", [[ops.ProjectOut("layers.1.layer_output", STEER),
+                      ops.Save("layers.1.layer_output")],
+                     [ops.ProjectOut("layers.1.layer_output", OTHER_STEER),
+                      ops.Add("layers.1.layer_output", OTHER_STEER, scale=8.0)], []]),
+    "ablated from the graph after the prompt": (
+        "in_graph", [[ops.ProjectOut("layers.1.layer_output", STEER, steps="decode")], [], []]),
+    "steered then ablated at a tap": (
+        "taps", [[ops.Add("layers.1.layer_output", STEER, scale=8.0),
+                  ops.ProjectOut("layers.1.layer_output", STEER)], [], []]),
+}
+
+
+@pytest.mark.parametrize("name", list(ABLATED))
+def test_ablation_from_the_graph_equals_the_eager_engines_and_leaves_the_others_alone(
+        ours, bare, llm, name: str) -> None:
+    # `ProjectOut` before a request's `Add`s and `Save`s there runs from the tap's buffers,
+    # at some positions only too; after an `Add` it needs the tap's Python (program order).
+    path, programs = ABLATED[name]
+    run = ours[name]
+    other = "taps" if path == "in_graph" else "in_graph"
+    assert run["forwards"]["eager"] == run["forwards"][other] == 0 < run["forwards"][path]
+    eager = steered_on_the_eager_engine(llm, programs)
+    for mine, theirs in zip(run["outputs"], eager, strict=True):
+        as_the_eager_engine(mine, theirs)
+        assert mine["saved"].keys() == theirs.saved.keys()
+        for location, value in mine["saved"].items():
+            close(value, theirs.saved[location], f"{location} against the eager engine")
+    equal_to_the_last_bits(run["outputs"][2:], bare["plain"][2:])
+
+
+def test_ablation_from_the_graph_after_the_prompt_changes_only_the_later_steps(ours, bare) -> None:
+    """The first token's log-probabilities are the unablated engine's (the prompt's rows keep
+    their direction), the later ones move (the decode rows lose it)."""
+    mine, plain = ours["ablated from the graph after the prompt"]["outputs"][0], bare["plain"][0]
+    # Steps whose top tokens differ moved too (no token in common: infinitely far).
+    first, *later = (max((abs(m[t] - p[t]) for t in m.keys() & p.keys()), default=float("inf"))
+                     for m, p in zip(mine["logprobs"], plain["logprobs"], strict=True))
+    assert first <= LOGPROB_TOLERANCE < max(later)
+
+
+def test_a_value_saved_after_its_ablation_in_the_graph_has_nothing_left_along_it(ours) -> None:
+    saved = ours["ablated in the graph"]["outputs"][0]["saved"]["layers.1.layer_output"]
+    unit = STEER / STEER.norm()
+    assert saved.shape[1] == len(PROMPTS[0]) + GENERATED - 1
+    assert (saved[0] @ unit).abs().max() < 1e-4 * saved.norm(dim=-1).max()
 
 
 def test_steering_elsewhere_on_a_compiled_engine_changes_only_its_own_request(

@@ -20,7 +20,7 @@ from vllm_runner.save_arena import SaveArena
 from vllm_runner.step_plan import ScheduledRequest, plan_step
 from vllm_runner.store import SaveStore, ToCollect
 from vllm_runner.tap_saves import SaveRing
-from vllm_runner.tap_steering import SteerRows, steered_rows
+from vllm_runner.tap_steering import AblateRows, SteerRows, steered_rows
 
 ROWS, SLOTS = 64, 8
 FIRST, SECOND = "layers.0.layer_output", "layers.1.layer_output"
@@ -32,6 +32,8 @@ PROGRAMS = {
     "save both": (ops.Save(FIRST), ops.Save(SECOND)),
     "save the second": (ops.Save(SECOND),),
     "steer the second": (ops.Add(SECOND, OTHER),),
+    "ablate, steer and save": (ops.ProjectOut(FIRST, OTHER), ops.Add(FIRST, ONE), ops.Save(FIRST)),
+    "ablate the second": (ops.ProjectOut(SECOND, ONE),),
 }
 
 
@@ -42,8 +44,9 @@ def graph_taps() -> tuple[dict[str, InGraphRows], dict[str, Any]]:
     taps, values = {}, {}
     for number, host in enumerate(("layers.0", "layers.1")):
         value = values[f"{host}.layer_output"] = residual_value(Toy(), host)
+        tables = (value, HIDDEN, ROWS, SLOTS, str(number), cpu, torch.float32)
         taps[value.location] = InGraphRows(
-            value, SteerRows(value, HIDDEN, ROWS, SLOTS, str(number), cpu, torch.float32),
+            value, AblateRows(*tables), SteerRows(*tables),
             SaveRing(value, HIDDEN, ROWS, str(number), arena))
         taps[value.location].saves.ring.copy_(torch.randn(
             ROWS, HIDDEN, generator=torch.Generator().manual_seed(number)))
@@ -85,18 +88,20 @@ def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
                 wants = plan_step(layout, requests, lambda op: list(op.patterns())).tokens.wants
                 for location, rows in taps.items():
                     groups = wants.get(location, [])
-                    rows.steer.fill(steered_rows(values[location], groups, store.failed,
-                                                 rows.steer.vectors))
+                    for table, kind in ((rows.ablate, ops.ProjectOut), (rows.steer, ops.Add)):
+                        table.fill(steered_rows(values[location], groups, store.failed,
+                                                table.vectors, kind))
                     rows.saves.take(groups, store.failed, values[location], store)
             else:
                 planned = graph_steps.plan(layout, requests)
                 assert planned is not None
-                for steering in planned.steering:
-                    steering.rows.steer.write(steering.vectors, steering.index)
+                for filled in planned.steering:
+                    filled.table.write(filled.vectors, filled.index)
                 repeated_saves.keep(planned.saves, planned.layout, store)
-        # What each row gets added, and what each request saved (some positions only: a row
-        # saved as another position's would show).
-        added = [rows.steer.table.index_select(0, rows.steer.index) for rows in taps.values()]
+        # What each row gets added and which direction it loses, and what each request saved
+        # (some positions only: a row saved as another position's would show).
+        added = [table.table.index_select(0, table.index) for rows in taps.values()
+                 for table in (rows.ablate, rows.steer)]
         saved = store.collect([ToCollect(request.program.program_id, 10_000, {
             location: lambda position: position % 3 != 1 for location in taps})
             for request in requests])
@@ -119,6 +124,8 @@ def test_a_program_with_other_work_leaves_the_step_to_the_general_plan() -> None
     for others in ([ops.Scale(FIRST, 2.0)],  # the taps' Python
                    [ops.Add(FIRST, ONE, steps="decode")],  # an Add at some positions only
                    [ops.Save(FIRST), ops.Add(FIRST, ONE)],  # a save before the steering
+                   [ops.ProjectOut(FIRST, ONE, positions=(-1,))],  # some positions only
+                   [ops.Add(FIRST, ONE), ops.ProjectOut(FIRST, ONE)],  # ablating the steered
                    [ops.Save("layers.2.layer_output")]):  # a location with no graph tap
         other = ScheduledRequest("r1", Program("p-r1", repr(others), tuple(others)), 100)
         assert graph_steps.plan(layout, [served, other]) is None

@@ -1,7 +1,8 @@
-"""Steering and saves from buffers inside a compiled graph (`in_graph`, issue [K] tier 3),
-engine-free: a toy compiled with `fullgraph=True` whose tap adds each row's vector from buffers
-filled after compilation (so the compiler cannot have folded them) and copies the steered rows
-into its ring, against the same toy computed by hand. The engine's cases are in
+"""Ablation, steering and saves from buffers inside a compiled graph (`in_graph`, issue [K] tier
+3), engine-free: a toy compiled with `fullgraph=True` whose tap takes from each row its
+component along the row's direction and adds the row's vector, from buffers filled after
+compilation (so the compiler cannot have folded them), and copies the edited rows into its ring,
+against the same toy computed by hand (and `ProjectOut`'s own edit). The engine's cases are in
 test_compiled.py and test_preemption.py."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from vllm_runner.save_arena import SaveArena
 from vllm_runner.serving import Want
 from vllm_runner.store import SaveStore, ToCollect
 from vllm_runner.tap_saves import SaveRing
-from vllm_runner.tap_steering import SteeredRows, SteerRows
+from vllm_runner.tap_steering import AblateRows, SteeredRows, SteerRows
 from vllm_runner.taps import install_taps
 
 WIDTH, ROWS, SLOTS = 4, 16, 3
@@ -73,7 +74,8 @@ def steered_toy(backend: str | None) -> tuple[Toy, InGraphRows, Any]:
 
 def in_graph_rows(value: Any) -> InGraphRows:
     cpu = torch.device("cpu")
-    return InGraphRows(value, SteerRows(value, WIDTH, ROWS, SLOTS, "0", cpu, torch.float32),
+    tables = (value, WIDTH, ROWS, SLOTS, "0", cpu, torch.float32)
+    return InGraphRows(value, AblateRows(*tables), SteerRows(*tables),
                        SaveRing(value, WIDTH, ROWS, "0",
                                 SaveArena(WIDTH, ROWS, cpu, torch.float32)))
 
@@ -141,6 +143,14 @@ def test_what_the_graph_serves_and_what_it_leaves_to_the_taps_python() -> None:
                         WIDTH)  # saves the steered value: the copy follows the steering
     assert not in_graph_ops([ops.Save("x"), ops.Add("x", vector)], WIDTH)
     assert not in_graph_ops([ops.Scale("x", 2.0)], WIDTH)
+    # Ablation first (the graph's order: ablate, steer, save), one direction a row.
+    assert in_graph_ops([ops.ProjectOut("x", vector), ops.Add("x", vector), ops.Save("x")],
+                        WIDTH)
+    assert in_graph_ops([ops.ProjectOut("x", vector, steps="decode")], WIDTH)
+    assert not in_graph_ops([ops.Add("x", vector), ops.ProjectOut("x", vector)], WIDTH)
+    assert not in_graph_ops([ops.Save("x"), ops.ProjectOut("x", vector)], WIDTH)
+    assert not in_graph_ops([ops.ProjectOut("x", vector), ops.ProjectOut("x", -vector)], WIDTH)
+    assert not in_graph_ops([ops.ProjectOut("x", torch.ones(2, WIDTH))], WIDTH)
 
 
 def test_more_steered_requests_than_slots_is_refused_before_anything_is_written() -> None:
@@ -193,3 +203,48 @@ def test_requests_of_one_program_share_a_slot_and_a_new_set_of_vectors_replaces_
         expected[3:5] += vector
         assert torch.allclose(run(x), toy.second(torch.relu(expected)), atol=1e-5)
         steer.clear()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_rows_lose_their_own_direction_in_a_compiled_graph_as_project_out_edits_them(
+        backend: str) -> None:
+    """Two requests ablating two directions (one at its last position only) and steered after
+    it, a third untouched: each row as `ProjectOut.edited` then `Add` make it, by hand."""
+    toy, in_graph, run = steered_toy(backend)
+    x = torch.randn(7, WIDTH)
+    first = torch.nn.functional.linear(x, toy.first.weight, toy.first.bias).detach()
+    plain = run(x)  # compiled here, with the buffers all zero
+    one = ops.ProjectOut("first.out", torch.randn(WIDTH))
+    other = ops.ProjectOut("first.out", torch.randn(WIDTH), positions=(-1,))
+    vector = torch.randn(WIDTH)
+    cache = in_graph.ablate.vectors
+    last_only = other.keeps(13)
+    in_graph.ablate.fill([SteeredRows(0, 3, 0, cache.vector((one,)), None),
+                          SteeredRows(4, 7, 10, cache.vector((other,)), last_only)])
+    in_graph.steer.fill([SteeredRows(0, 3, 0, vector, None)])
+    expected = first.clone()
+    expected[0:3] = one.edited(first[0:3], ("tokens", "hidden")) + vector
+    expected[6] = other.edited(first[6:7], ("tokens", "hidden"))[0]  # position 12: the last
+    assert torch.allclose(run(x), toy.second(torch.relu(expected)), atol=1e-5)
+    assert torch.allclose(in_graph.saves.ring[:7], expected, atol=1e-5)
+    unit = one.direction / one.direction.norm()
+    assert torch.allclose(in_graph.saves.ring[0:3] @ unit, vector @ unit, atol=1e-5)
+    in_graph.ablate.clear()
+    in_graph.steer.clear()
+    assert torch.allclose(run(x), plain, atol=1e-6)
+
+
+def test_the_stream_is_ablated_through_its_hidden_half() -> None:
+    """The direction comes off the stream (the halves' sum), taken from the hidden half."""
+    module = nn.Identity()
+    value: Any = Tapped(module, "layers.0.layer_output", Declared(Output(0, 1), Stream()))
+    rows = in_graph_rows(value)
+    hidden, residual = torch.randn(2, WIDTH), torch.randn(2, WIDTH)
+    stream = hidden + residual
+    ablation = ops.ProjectOut("layers.0.layer_output", torch.randn(WIDTH))
+    rows.ablate.fill([SteeredRows(1, 2, 5, rows.ablate.vectors.vector((ablation,)), None)])
+    rows.apply(module, (hidden, residual))
+    assert torch.equal(hidden[0] + residual[0], stream[0])
+    assert torch.allclose(hidden[1] + residual[1],
+                          ablation.edited(stream[1:2], ("tokens", "hidden"))[0], atol=1e-6)
+    assert torch.allclose(rows.saves.ring[1], hidden[1] + residual[1])

@@ -20,26 +20,29 @@ from tokenspan import StepLayout
 from vllm_envoys import Value
 
 from vllm_runner.in_graph import InGraphRows, in_graph_ops
-from vllm_runner.ops import Add, Op, Save
+from vllm_runner.ops import Add, Op, ProjectOut, Save
 from vllm_runner.program import Program
 from vllm_runner.step_plan import ScheduledRequest
 from vllm_runner.tap_saves import SaveRing
+from vllm_runner.tap_steering import RowTable
 
 
 @dataclass(frozen=True)
 class GraphWork:
-    """One program's work at one graph tap: its `Add`s (summed into one vector for each of its
-    rows; none: no steering) and whether it saves there."""
+    """One program's work at one graph tap: its `ProjectOut` (none, or one), its `Add`s (summed
+    into one vector for each of its rows; none: no steering) and whether it saves there."""
 
     adds: tuple[Add, ...]
     saves: bool
+    ablations: tuple[ProjectOut, ...] = ()
 
 
 @dataclass(frozen=True)
 class Steering:
-    """One graph tap's steering this step: the distinct vectors, each row's slot among them."""
+    """One table of one graph tap this step (its steering, or its ablated directions): the
+    distinct vectors, each row's slot among them."""
 
-    rows: InGraphRows
+    table: RowTable
     vectors: tuple[torch.Tensor, ...]
     index: np.ndarray
 
@@ -101,9 +104,10 @@ class GraphSteps:
             if not in_graph_ops(ops, self._in_graph[location].width):
                 return None
             adds = tuple(op for op in ops if isinstance(op, Add))
-            if any(add.keeps(1) is not None for add in adds):
-                return None  # an `Add` at some positions only: the general plan's index
-            work[location] = GraphWork(adds, any(isinstance(op, Save) for op in ops))
+            ablations = tuple(op for op in ops if isinstance(op, ProjectOut))
+            if any(op.keeps(1) is not None for op in (*adds, *ablations)):
+                return None  # an edit at some positions only: the general plan's index
+            work[location] = GraphWork(adds, any(isinstance(op, Save) for op in ops), ablations)
         return work
 
     def plan(self, layout: StepLayout, requests: Sequence[ScheduledRequest]
@@ -147,8 +151,11 @@ class GraphSteps:
             at = {digest: work[location] for digest, work in works.items() if location in work}
             if not at:
                 continue
-            if (steered := self._steering(rows, at, places, layout)) is not None:
-                steering.append(steered)
+            ablated = {digest: work.ablations for digest, work in at.items()}
+            added = {digest: work.adds for digest, work in at.items()}
+            for table, ops in ((rows.ablate, ablated), (rows.steer, added)):
+                if (filled := self._table(table, ops, places, layout)) is not None:
+                    steering.append(filled)
             if saving := frozenset(digest for digest, work in at.items() if work.saves):
                 rings.setdefault(saving, []).append(rows.saves)
         return steering, [
@@ -156,12 +163,12 @@ class GraphSteps:
             for saving, taps in rings.items()]
 
     @staticmethod
-    def _steering(rows: InGraphRows, at: dict[str, GraphWork],
-                  places: list[tuple[str, str, int]], layout: StepLayout) -> Steering | None:
-        """The distinct vectors at one graph tap and every row's slot (0: not steered); `None`
-        if nobody steers there."""
-        by_digest = {digest: rows.steer.vectors.vector(work.adds)
-                     for digest, work in at.items() if work.adds}
+    def _table(table: RowTable, ops: Mapping[str, tuple[Op, ...]],
+               places: list[tuple[str, str, int]], layout: StepLayout) -> Steering | None:
+        """The distinct vectors of one table of a graph tap (from each program's `ops` there)
+        and every row's slot (0: none); `None` if no program has such ops there."""
+        by_digest = {digest: table.vectors.vector(found)
+                     for digest, found in ops.items() if found}
         if not by_digest:
             return None
         vectors = tuple({id(vector): vector for vector in by_digest.values()}.values())
@@ -170,4 +177,4 @@ class GraphSteps:
         slots = np.zeros(len(layout), dtype=np.int64)
         for digest, _, row in places:
             slots[row] = digest_slot.get(digest, 0)
-        return Steering(rows, vectors, np.repeat(slots, layout.counts))
+        return Steering(table, vectors, np.repeat(slots, layout.counts))

@@ -194,8 +194,9 @@ class LLM:
         `LocationError` whose `refused` maps each pattern to its reason) once the engine has
         started, and the engine shut down. See the guide's "Compiled engines".
 
-        `graph_taps` are taps (they need not be repeated in `taps`) where `Add` and `Save` run
-        inside the compiled graph from buffers, with no Python in the forward: on a GPU such
+        `graph_taps` are taps (they need not be repeated in `taps`) where `ProjectOut`, `Add`
+        and `Save` run inside the compiled graph from buffers, with no Python in the forward
+        (a program's `ProjectOut` there before its `Add`s, its `Save`s last): on a GPU such
         steps keep vLLM's full CUDA graphs. Each costs a copy of its value at every forward,
         programs or not, and buffers of `max_num_batched_tokens` rows; only residual-width
         values whole on every rank qualify (others are refused by name, as bad taps are).
@@ -255,7 +256,8 @@ class LLM:
         """How many forwards the engine has run, by path: vLLM's compiled path with no program
         (`"compiled"`), the compiled path serving programs through their taps' Python
         (`"taps"`), the compiled path serving them from buffers inside the graph alone
-        (`"in_graph"`: `Add` and `Save` at residual-width taps, see `vllm_runner.in_graph`), and
+        (`"in_graph"`: `ProjectOut`, `Add` and `Save` at residual-width taps, see
+        `vllm_runner.in_graph`), and
         the plain module tree (`"eager"`: with `enforce_eager=False`, the steps whose programs
         act somewhere no tap serves; an eager engine runs every step there)."""
         (answer, *_) = self._rpc("interp_forwards")

@@ -25,7 +25,7 @@ from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_g
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
 from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
-from vllm_runner.ops import Op
+from vllm_runner.ops import Add, Op, ProjectOut
 from vllm_runner.program import Program, ProgramCache, ProgramData
 from vllm_runner.repeated_saves import RepeatedSaves
 from vllm_runner.serving import OpGroup, Services, Visits, serve
@@ -99,7 +99,8 @@ class Runtime:
         self.refused_taps: dict[str, str] = {}
         self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
         self.hooks = Hooks(self.values, self._visit)
-        #: Tapped values whose `Add`s and `Save`s run inside the compiled model (`in_graph`).
+        #: Tapped values whose `ProjectOut`s, `Add`s and `Save`s run inside the compiled model
+        #: (`in_graph`).
         self.in_graph: dict[str, InGraphRows] = {}
         self._buffers = InGraphBuffers(model, hf_config)
         self._shard_keys: dict[str, tuple[str | None, ...] | None] = {}
@@ -170,16 +171,18 @@ class Runtime:
             self.in_graph.update(self._buffers.buffers(
                 [self.values[location] for location in graph_locations], rows, slots))
             if self.in_graph:
-                logger.info("vllm-runner: %d taps serve Add and Save inside the graph, with "
-                            "%.1f MiB of buffers", len(self.in_graph), len(self.in_graph) *
-                            self._buffers.bytes_per_value(rows, slots) / 2**20)
+                logger.info("vllm-runner: %d taps serve ProjectOut, Add and Save inside the "
+                            "graph, with %.1f MiB of buffers", len(self.in_graph),
+                            len(self.in_graph) * self._buffers.bytes_per_value(rows, slots)
+                            / 2**20)
         install_taps([self.values[location] for location in locations], self.in_graph)
         self.hooks.tapped = frozenset(locations)
         self.refused_taps = refused
         return refused
 
     def _not_in_graph(self, location: str) -> str | None:
-        """Why `Add` and `Save` at `location` cannot run inside the graph, or `None`."""
+        """Why `ProjectOut`, `Add` and `Save` at `location` cannot run inside the graph, or
+        `None`."""
         value = self.values[location]
         if not in_graph_value(value):
             return (f"{location} ({' '.join(value.eproperty.layout)}) is not a residual-width "
@@ -371,12 +374,12 @@ class Runtime:
         if step is None:
             return False
         try:
-            for steering in step.steering:
-                steering.rows.steer.write(steering.vectors, steering.index)
+            for filled in step.steering:
+                filled.table.write(filled.vectors, filled.index)
         except Exception:  # the general plan serves it then, failing only whom it must
             logger.exception("vllm-runner: a step could not be served in the graph")
-            for steering in step.steering:
-                steering.rows.steer.clear()
+            for filled in step.steering:
+                filled.table.clear()
             return False
         self._graph_step = step
         return True
@@ -392,11 +395,13 @@ class Runtime:
                                      for members in groups):
                 continue
             try:
-                if steered := steered_rows(self.values[location], groups, self.store.failed,
-                                           rows.steer.vectors):
-                    rows.steer.fill(steered)
+                for table, kind in ((rows.ablate, ProjectOut), (rows.steer, Add)):
+                    if found := steered_rows(self.values[location], groups, self.store.failed,
+                                             table.vectors, kind):
+                        table.fill(found)
             except Exception:  # the tap's Python serves them then, failing only whom it must
                 logger.exception("vllm-runner: %s could not be served in the graph", location)
+                rows.ablate.clear()
                 rows.steer.clear()
                 continue
             self._saves_in_graph.append((location, groups))
@@ -419,14 +424,15 @@ class Runtime:
             rows = self.in_graph[location]
             if self.services.keeps_saves:
                 rows.saves.take(groups, self.store.failed, self.values[location], self.store)
+            rows.ablate.clear()
             rows.steer.clear()
         self._saves_in_graph.clear()
         step, self._graph_step = self._graph_step, None
         if step is not None:
             if self.services.keeps_saves:
                 self._repeated_saves.keep(step.saves, step.layout, self.store)
-            for steering in step.steering:
-                steering.rows.steer.clear()
+            for filled in step.steering:
+                filled.table.clear()
 
     def _visit(self, location: str, value: Value, raw: Any) -> None:
         """Serve the step's requests at one hook visit; a sharded value is made whole first."""

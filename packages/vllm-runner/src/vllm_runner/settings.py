@@ -19,7 +19,8 @@ from vllm_runner import shm_files
 #: later engine of the process) and part of the config's hash (a model compiled for other taps
 #: is never taken from vLLM's compile cache).
 TAPS_KEY = "interp_taps"
-#: The taps whose `Add`s and `Save`s run inside the graph (`LLM(graph_taps=...)`), likewise.
+#: The taps whose `ProjectOut`s, `Add`s and `Save`s run inside the graph
+#: (`LLM(graph_taps=...)`), likewise.
 GRAPH_TAPS_KEY = "interp_graph_taps"
 
 

@@ -1,5 +1,5 @@
-"""Steering inside the compiled model: `Add` at a tap from buffers the runtime fills (tier 3;
-which ops and values are served this way: `in_graph`).
+"""Steering and ablation inside the compiled model: `Add` and `ProjectOut` at a tap from buffers
+the runtime fills (tier 3; which ops and values are served this way: `in_graph`).
 
 A tap's op runs Python at every forward (`taps`); on a GPU its piecewise graphs split around it,
 and a step whose programs act there cannot replay a full CUDA graph. An `Add` needs no Python in
@@ -19,20 +19,23 @@ not wait (`StagedCopies`), and requests running the same program share one vecto
 once (`VectorCache`): the table is rewritten only when the step's set of vectors changes.
 
 A row gets one vector: several unfiltered `Add`s of a request at one location are summed into
-one (`steered_rows`).
+one (`steered_rows`). `ProjectOut` (directional ablation) works the same way from a table of its
+own (`AblateRows`): each row's unit direction, slot 0 zero, and the row loses its component
+along it (`x - (x·d̂) d̂`; nothing, at slot 0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from vllm_envoys import Value
 
-from vllm_runner.ops import Add
+from vllm_runner.ops import Add, ProjectOut, RowOp
 from vllm_runner.serving import Want, passed_over
 
 
@@ -83,55 +86,79 @@ class StagedCopies:
 
 
 class VectorCache:
-    """Each program's steering vector at a location (its `Add`s there, scaled and summed, in
-    float32 on the host), computed and checked once, then shared by every request running it."""
+    """Each program's vector at a location, computed from its ops there (`combine`: for `Add`s
+    their `scale * vector` summed, `summed`; for a `ProjectOut` its unit direction,
+    `unit_direction`), in float32 on the host, computed and checked once, then shared by every
+    request running it."""
 
     LIMIT = 1024  # entries kept before the cache starts again (programs come and go)
 
-    def __init__(self) -> None:
-        self._vectors: dict[tuple[int, ...], tuple[tuple[Add, ...], torch.Tensor]] = {}
+    def __init__(self, combine: Callable[[tuple[Any, ...]], torch.Tensor] | None = None
+                 ) -> None:
+        self._combine = combine or summed
+        self._vectors: dict[tuple[int, ...], tuple[tuple[Any, ...], torch.Tensor]] = {}
 
-    def vector(self, adds: tuple[Add, ...]) -> torch.Tensor:
-        """The summed vector of `adds` (the same object for the same ops)."""
-        key = tuple(map(id, adds))
+    def vector(self, ops: tuple[Any, ...]) -> torch.Tensor:
+        """The vector of `ops` (the same object for the same ops)."""
+        key = tuple(map(id, ops))
         found = self._vectors.get(key)
         if found is None:
             if len(self._vectors) >= self.LIMIT:
                 self._vectors.clear()
-            vector = sum((add.vector.detach().to("cpu", torch.float32).reshape(-1)
-                          * float(add.scale) for add in adds), torch.zeros(()))
-            found = self._vectors[key] = (adds, vector)  # the ops kept: their ids stay theirs
+            # The ops are kept with their vector: their ids stay theirs.
+            found = self._vectors[key] = (ops, self._combine(ops))
         return found[1]
 
 
-class SteerRows:
-    """The buffers of one steerable tapped value, and the code the tap's hook runs with them."""
+def summed(adds: tuple[Add, ...]) -> torch.Tensor:
+    """`scale * vector` of each `Add`, summed (float32, flat)."""
+    return sum((add.vector.detach().to("cpu", torch.float32).reshape(-1) * float(add.scale)
+                for add in adds), torch.zeros(()))
+
+
+def unit_direction(ablations: tuple[ProjectOut, ...]) -> torch.Tensor:
+    """The unit direction of a `ProjectOut` (float32, flat; one per row: `in_graph_ops`)."""
+    (ablation,) = ablations
+    direction = ablation.direction.detach().to("cpu", torch.float32).reshape(-1)
+    return direction / direction.norm()
+
+
+class RowTable:
+    """A table of vectors (slot 0 zero) and each row's slot, as buffers of a tapped module that
+    the runtime fills before a forward and points back at slot 0 after it (`SteerRows`,
+    `AblateRows`: what the tap's hook does with them)."""
+
+    #: What the table's vectors are, for errors and buffer names.
+    WHAT = "vectors"
+    PREFIX = "interp_table"
 
     def __init__(self, value: Value, width: int, rows: int, slots: int, name: str,
                  device: torch.device, dtype: torch.dtype) -> None:
         """Buffers for `slots` vectors of `width` (and the zero slot) and `rows` rows (the most
-        one forward runs), registered on the value's module as `interp_steer_<name>_*` (not
+        one forward runs), registered on the value's module as `<PREFIX>_<name>_*` (not
         saved with it)."""
         module = value.module
         self.location = value.location
         self.width = width
-        self._names = tuple(f"interp_steer_{name}_{part}" for part in ("table", "index"))
+        self._names = tuple(f"{self.PREFIX}_{name}_{part}" for part in ("table", "index"))
         for part, tensor in zip(self._names, (
                 torch.zeros(slots + 1, width, device=device, dtype=dtype),
                 torch.zeros(rows, device=device, dtype=torch.long)), strict=True):
             module.register_buffer(part, tensor, persistent=False)
         self.table, self.index = (getattr(module, part) for part in self._names)
-        self.vectors = VectorCache()
+        self.vectors = self._cache()
         self._copies = StagedCopies(device)
         self._in_table: tuple[torch.Tensor, ...] = ()  # the vectors in slots 1.. now
         self.dirty = False
 
-    def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
-        """Add each row's vector to `rows` (`[tokens, hidden]`) in place, traced into the
-        compiled graph: no Python at run time. The buffers are read through `module`, so the
-        compiler takes them as inputs."""
+    def _cache(self) -> VectorCache:
+        return VectorCache()
+
+    def rows_of(self, module: nn.Module, count: int) -> torch.Tensor:
+        """Each of the first `count` rows' vector (`[count, width]`), read through `module`
+        in the traced forward, so the compiler takes the buffers as inputs."""
         table, index = (getattr(module, part) for part in self._names)
-        rows.add_(table.index_select(0, index[:rows.shape[0]]))
+        return table.index_select(0, index[:count])
 
     def fill(self, steered: list[SteeredRows]) -> None:
         """Write this step's vectors and each row's slot, request by request (`write`)."""
@@ -150,10 +177,10 @@ class SteerRows:
 
     def write(self, vectors: tuple[torch.Tensor, ...], index: np.ndarray) -> None:
         """Put `vectors` in slots 1.. (only if they changed) and `index` (each row's slot, int64,
-        up to the last steered row: past it every row points at the zero slot already, `clear`
-        after every step that steered) in the buffers."""
+        up to the last row with a vector: past it every row points at the zero slot already,
+        `clear` after every step that used the table) in the buffers."""
         if len(vectors) > self.table.shape[0] - 1:
-            raise ValueError(f"{self.location}: {len(vectors)} steering vectors in one step, "
+            raise ValueError(f"{self.location}: {len(vectors)} {self.WHAT} in one step, "
                              f"more than the {self.table.shape[0] - 1} slots")
         if vectors and (len(vectors) != len(self._in_table) or any(
                 new is not old for new, old in zip(vectors, self._in_table, strict=False))):
@@ -161,29 +188,61 @@ class SteerRows:
                 self.table.dtype)
             # A vector that overflows the model's dtype (float16) would put inf on its rows.
             if not bool(torch.isfinite(table).all()):
-                raise ValueError(f"{self.location}: a steering vector is not finite in "
-                                 f"{self.table.dtype}")
+                raise ValueError(f"{self.location}: a vector of the {self.WHAT} is not finite "
+                                 f"in {self.table.dtype}")
             self._copies.copy(self.table[1:1 + len(vectors)], table)
             self._in_table = vectors
         self.dirty = True  # from here on `clear` points the rows back at the zero slot
         self._copies.copy(self.index[:len(index)], torch.from_numpy(index))
 
     def clear(self) -> None:
-        """No row steered (after a step that steered here)."""
+        """No row gets a vector (after a step that used the table)."""
         if self.dirty:
             self.index.zero_()
             self.dirty = False
 
 
+class SteerRows(RowTable):
+    """The steering vectors of one tapped value (`Add`), and what the tap's hook does with them."""
+
+    WHAT = "steering vectors"
+    PREFIX = "interp_steer"
+
+    def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
+        """Add each row's vector to `rows` (`[tokens, hidden]`) in place, traced into the
+        compiled graph: no Python at run time."""
+        rows.add_(self.rows_of(module, rows.shape[0]))
+
+
+class AblateRows(RowTable):
+    """The ablated directions of one tapped value (`ProjectOut`: unit vectors), and what the
+    tap's hook does with them."""
+
+    WHAT = "ablated directions"
+    PREFIX = "interp_ablate"
+
+    def _cache(self) -> VectorCache:
+        return VectorCache(unit_direction)
+
+    def apply(self, module: nn.Module, rows: torch.Tensor, stream: torch.Tensor) -> None:
+        """Take from `rows` (`[tokens, hidden]`, in place) the component of `stream` (the value
+        the rows are part of: the rows themselves, or vLLM's two halves summed) along each
+        row's direction, traced into the compiled graph; a row at slot 0 loses nothing."""
+        directions = self.rows_of(module, rows.shape[0])
+        rows.sub_((stream * directions).sum(-1, keepdim=True) * directions)
+
+
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
-                 failed: Callable[[str], bool], vectors: VectorCache) -> list[SteeredRows]:
-    """Each waiting request's rows and vector at `value` this step: its `Add`s there summed
-    (`scale * vector`, in float32, once per program: `vectors`), skipping requests whose
-    program failed and steps the value is not served at (as the taps' Python would)."""
-    found: dict[str, tuple[Want, list[Add]]] = {}
+                 failed: Callable[[str], bool], vectors: VectorCache,
+                 kind: type[RowOp] = Add) -> list[SteeredRows]:
+    """Each waiting request's rows and vector at `value` this step from its ops of `kind`
+    there: its `Add`s summed (`scale * vector`, in float32, once per program: `vectors`), or
+    its `ProjectOut`'s unit direction; skipping requests whose program failed and steps the
+    value is not served at (as the taps' Python would)."""
+    found: dict[str, tuple[Want, list[RowOp]]] = {}
     for want in (want for members in groups for want in members):
         op = want.op
-        if not isinstance(op, Add) or passed_over(want, value, failed):
+        if not isinstance(op, kind) or passed_over(want, value, failed):
             continue
         earlier = found.get(want.request_id)
         if earlier is None:
