@@ -18,7 +18,8 @@ engine first in even repeats, second in odd ones); the ratio of a pair is defaul
 (1.0 = free). Medians and min-max over repeats.
 
 Arms (the issue's): (a) no programs; (e) 10% of requests save one layer's `layer_output` (a tap);
-(b) every request saves it; (d) every request steered at one layer (a tap); (c) every request
+(b) every request saves it; (d) every request steered at one layer (a tap); (ablate) every
+request ablates one direction there (`ProjectOut`, in the graph too); (c) every request
 saves every layer's `layer_output` (taps); (cg) the same on an engine of ours whose graph taps
 are every layer's (tier 3 at every layer; its own process, started only for this arm); (call)
 a `Call` at one layer on every request (a tap, the Python function run between compiled
@@ -72,6 +73,7 @@ NAMES = {
     "e": "10% of requests save one layer's layer_output (graph tap)",
     "b": "every request saves one layer's layer_output (graph tap)",
     "d": "every request steered at one layer (graph tap)",
+    "ablate": "every request ablates one direction at one layer (graph tap)",
     "c": "every request saves every layer's layer_output (taps)",
     "cg": "every request saves every layer's layer_output (graph taps at every layer)",
     "call": "a Call at one layer on every request (tap)",
@@ -113,6 +115,9 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
     if arm == "d":
         vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
         return [[ops.Add(f"layers.{middle}.layer_output", vector, scale=0.5)]] * requests
+    if arm == "ablate":
+        direction = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+        return [[ops.ProjectOut(f"layers.{middle}.layer_output", direction)]] * requests
     if arm in ("c", "cg"):
         return [[ops.Save("layers.*.layer_output")]] * requests
     if arm == "call1":
