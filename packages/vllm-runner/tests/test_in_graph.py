@@ -150,7 +150,8 @@ def test_what_the_graph_serves_and_what_it_leaves_to_the_taps_python() -> None:
     assert not in_graph_ops([ops.Add("x", vector), ops.ProjectOut("x", vector)], WIDTH)
     assert not in_graph_ops([ops.Save("x"), ops.ProjectOut("x", vector)], WIDTH)
     assert not in_graph_ops([ops.ProjectOut("x", vector), ops.ProjectOut("x", -vector)], WIDTH)
-    assert not in_graph_ops([ops.ProjectOut("x", torch.ones(2, WIDTH))], WIDTH)
+    for shape in ((2, WIDTH), (1, WIDTH), (1,), ()):  # the tap's Python takes `[hidden]` only
+        assert not in_graph_ops([ops.ProjectOut("x", torch.ones(shape))], WIDTH), shape
 
 
 def test_more_steered_requests_than_slots_is_refused_before_anything_is_written() -> None:
@@ -248,3 +249,19 @@ def test_the_stream_is_ablated_through_its_hidden_half() -> None:
     assert torch.allclose(hidden[1] + residual[1],
                           ablation.edited(stream[1:2], ("tokens", "hidden"))[0], atol=1e-6)
     assert torch.allclose(rows.saves.ring[1], hidden[1] + residual[1])
+
+
+def test_a_row_nobody_ablates_keeps_what_it_holds_even_infinities() -> None:
+    """Slot 0 leaves a row as it was: `inf * 0` would have made the whole row NaN."""
+    module = nn.Identity()
+    value: Any = Tapped(module, "x", Declared(Output(), Rows()))
+    rows = in_graph_rows(value)
+    hidden = torch.randn(3, WIDTH)
+    hidden[0, 1] = float("inf")
+    before = hidden.clone()
+    ablation = ops.ProjectOut("x", torch.randn(WIDTH))
+    rows.ablate.fill([SteeredRows(2, 3, 0, rows.ablate.vectors.vector((ablation,)), None)])
+    rows.apply(module, hidden)
+    assert torch.equal(hidden[:2], before[:2])
+    assert torch.allclose(hidden[2], ablation.edited(before[2:3], ("tokens", "hidden"))[0],
+                          atol=1e-6)

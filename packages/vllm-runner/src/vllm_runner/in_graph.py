@@ -61,8 +61,9 @@ def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
     if len(in_order) != len(ops) or any(op is not wanted
                                         for op, wanted in zip(ops, in_order, strict=True)):
         return False  # another op, or these in another order (a `Save` before an `Add`)
-    if len(ablations) > 1 or not all(_one_row(op.direction, width) for op in ablations):
-        return False  # one direction a row: two in turn are not one projection
+    if len(ablations) > 1 or not all(tuple(op.direction.shape) == (width,) for op in ablations):
+        return False  # one `[hidden]` direction a row (as the tap's Python takes it): two in
+        # turn are not one projection
     if not all(_one_row(op.vector, width) for op in adds):
         return False
     return len(adds) <= 1 or all(op.keeps(1) is None for op in adds)

@@ -402,9 +402,10 @@ class ProjectOut(EditOp):
                              "component to remove")
 
     def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
-        """`current` less its component along the unit direction."""
-        direction = self.direction.to(current.device, current.dtype)
-        unit = direction / direction.norm()
+        """`current` less its component along the unit direction (normalised in float32, as the
+        graph's ablation does: in float16 a direction's norm can overflow)."""
+        direction = self.direction.to(current.device, torch.float32)
+        unit = (direction / direction.norm()).to(current.dtype)
         return current - (current @ unit).unsqueeze(-1) * unit
 
 

@@ -143,9 +143,10 @@ class Runtime:
         """Serve the locations `patterns` name from inside the compiled model (`taps`); called
         once, before vLLM compiles it. Returns the patterns refused, with the reasons
         (`tap_locations`): the engine still starts (a program there runs uncompiled), and
-        `LLM` reports them. At the taps `in_graph` names (also among `patterns`), `Add`s and
-        `Save`s run inside the graph (`in_graph`), with buffers for `rows` rows (the most one
-        forward runs) and `slots` steered requests (the most one step holds)."""
+        `LLM` reports them. At the taps `in_graph` names (also among `patterns`), `ProjectOut`s,
+        `Add`s and `Save`s run inside the graph (`in_graph`), with buffers for `rows` rows (the
+        most one forward runs) and `slots` steered or ablating requests (the most one step
+        holds)."""
         # Only compiled forwards skip what an opaque op calls (an eager one runs it all).
         opaque = called_inside_opaque_ops(self._model) if self.compiled else {}
 
@@ -302,8 +303,8 @@ class Runtime:
 
     def needs_tap_python(self, programs: Sequence[Program]) -> bool:
         """Whether a step running `programs` has work at a tap that runs in the tap's Python
-        (a full CUDA graph would replay its kernels without it): any op there but the `Add`s and
-        `Save`s the graph serves (`in_graph`)."""
+        (a full CUDA graph would replay its kernels without it): any op there but the
+        `ProjectOut`s, `Add`s and `Save`s the graph serves (`in_graph`)."""
         taps = self.taps
         return any(location in taps and not self._in_graph(program, location)
                    for program, location in self._acting_at(programs))

@@ -42,8 +42,9 @@ from vllm_runner.serving import Want, passed_over
 @dataclass(frozen=True)
 class SteeredRows:
     """One request's rows of a step at a location and the vector they get (`scale * vector`
-    summed over its `Add`s there), with `keep(position)` for a filtered `Add`. Requests that
-    run the same program share one `vector` object (`VectorCache`)."""
+    summed over its `Add`s there, or its `ProjectOut`'s unit direction), with `keep(position)`
+    for a filtered op. Requests that run the same program share one `vector` object
+    (`VectorCache`)."""
 
     start: int
     stop: int
@@ -227,9 +228,14 @@ class AblateRows(RowTable):
     def apply(self, module: nn.Module, rows: torch.Tensor, stream: torch.Tensor) -> None:
         """Take from `rows` (`[tokens, hidden]`, in place) the component of `stream` (the value
         the rows are part of: the rows themselves, or vLLM's two halves summed) along each
-        row's direction, traced into the compiled graph; a row at slot 0 loses nothing."""
-        directions = self.rows_of(module, rows.shape[0])
-        rows.sub_((stream * directions).sum(-1, keepdim=True) * directions)
+        row's direction, traced into the compiled graph; a row at slot 0 loses nothing, even
+        one holding infinities (`inf * 0` is NaN: the component is zeroed there, not
+        computed as zero)."""
+        count = rows.shape[0]
+        directions = self.rows_of(module, count)
+        component = (stream * directions).sum(-1, keepdim=True)
+        unablated = getattr(module, self._names[1])[:count].unsqueeze(-1) == 0
+        rows.sub_(component.masked_fill(unablated, 0) * directions)
 
 
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],

@@ -39,7 +39,8 @@ _library.define("tap(Tensor(a!)[] tensors, str key) -> ()")
 
 
 class Steer(Protocol):
-    """In-graph work a tap's hook runs before its op (`tap_steering.SteerRows`)."""
+    """In-graph work a tap's hook runs before its op (`in_graph.InGraphRows`: ablation,
+    steering and the copy for saves)."""
 
     def apply(self, module: nn.Module, raw: Any) -> None: ...
 
