@@ -14,14 +14,22 @@ LAYER = 1
 
 
 @torch.no_grad()
-def steered_greedy(model, prompt: list[int], count: int, vector: torch.Tensor | None):
-    """transformers' greedy tokens with `vector` added to one layer's output at every position."""
+def steered_greedy(model, prompt: list[int], count: int, vector: torch.Tensor | None,
+                   ablated: torch.Tensor | None = None):
+    """transformers' greedy tokens with `vector` added to one layer's output at every position,
+    after its component along `ablated` (if any) is taken out."""
     handle = None
-    if vector is not None:
+    if vector is not None or ablated is not None:
+        def edited(hidden: torch.Tensor) -> torch.Tensor:
+            if ablated is not None:
+                unit = ablated / ablated.norm()
+                hidden = hidden - (hidden @ unit).unsqueeze(-1) * unit
+            return hidden if vector is None else hidden + vector
+
         def add(module, args, output):
             if isinstance(output, tuple):
-                return (output[0] + vector, *output[1:])
-            return output + vector
+                return (edited(output[0]), *output[1:])
+            return edited(output)
         handle = model.model.layers[LAYER].register_forward_hook(add)
     try:
         tokens = list(prompt)

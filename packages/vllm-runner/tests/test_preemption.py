@@ -1,6 +1,7 @@
 """Preemption: with a KV cache too small for every request, vLLM preempts and recomputes from
 position 0; saves stay complete, free of duplicates and equal to transformers', and steering
-from a compiled graph's buffers (issue [K]) steers the recomputed positions as the first ones."""
+and ablation from a compiled graph's buffers (issue [K]) edit the recomputed positions as the
+first ones."""
 
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ if __name__ == "__main__":
     params = SamplingParams(max_tokens=16, temperature=0.0)
     if steered:
         add = [ops.Add("layers.1.layer_output", torch.tensor(json.loads(sys.argv[3])))]
+        ablate = [ops.ProjectOut("layers.1.layer_output", torch.tensor(json.loads(sys.argv[4])))]
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # 16 each
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                               interventions=[add, [], add], use_tqdm=False)
+                               interventions=[add, [], ablate], use_tqdm=False)
         print("RESULT", json.dumps({"preempted": len(PREEMPTED), "forwards": llm.forwards(),
                                     "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                                     "errors": [o.error for o in outputs]}))
@@ -77,16 +79,21 @@ def preempted_run(model_dir: str, *extra: str, environment: dict[str, str] | Non
     return result
 
 
-def test_steering_from_a_compiled_graph_survives_preemption(model_dir: str, reference) -> None:
+def test_steering_and_ablation_from_a_compiled_graph_survive_preemption(
+        model_dir: str, reference) -> None:
+    # Request 0 steered, request 1 plain, request 2 ablated (along the same vector).
     vector = torch.randn(128, generator=torch.Generator().manual_seed(7)) * 3.0
-    result = preempted_run(model_dir, json.dumps(vector.tolist()))
+    result = preempted_run(model_dir, json.dumps(vector.tolist()), json.dumps(vector.tolist()))
     forwards = result["forwards"]
     assert forwards["eager"] == forwards["taps"] == 0 < forwards["in_graph"], forwards
     for index, (prompt, tokens, error) in enumerate(
             zip(PROMPTS, result["tokens"], result["errors"], strict=True)):
         assert error is None
-        edit = vector if index != 1 else None
-        assert tokens == steered_greedy(reference, prompt, 16, edit), f"request {index}"
+        edit = vector if index == 0 else None
+        ablated = vector if index == 2 else None
+        assert tokens == steered_greedy(reference, prompt, 16, edit, ablated), f"request {index}"
+    assert result["tokens"][2] != steered_greedy(reference, PROMPTS[2], 16, None), \
+        "the ablation changes nothing here: the test proves nothing about it"
 
 
 def test_saves_survive_preemption(model_dir: str, reference) -> None:
