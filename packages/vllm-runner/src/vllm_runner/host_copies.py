@@ -221,8 +221,10 @@ def _called(call: Callable[[], Any]) -> Any:
 def _shares(pairs: list[tuple[torch.Tensor, torch.Tensor]], total: int, threads: int
             ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """`pairs` cut into `threads` lists of slices of about `total / threads` bytes each, in
-    order (a pair may be cut between two lists)."""
-    share = -(-total // threads)
+    order (a pair may be cut between two lists, never an element: a share is at least one
+    element of every pair, or a share smaller than an element would take nothing from it and
+    the lists would grow without end — seen as a worker killed at 20 GB in CI)."""
+    share = max(-(-total // threads), *(source.element_size() for _, source in pairs))
     shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
     room = share
     for destination, source in pairs:
