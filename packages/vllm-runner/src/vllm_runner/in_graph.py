@@ -25,10 +25,10 @@ from vllm_envoys import Value
 from vllm_envoys.codecs import Rows, Stream
 from vllm_envoys.layouts import RESIDUAL
 
-from vllm_runner.ops import Add, Op, ProjectOut, Save
+from vllm_runner.ops import Add, Op, ProjectOut, RowOp, Save
 from vllm_runner.save_arena import SaveArena
 from vllm_runner.tap_saves import SaveRing
-from vllm_runner.tap_steering import AblateRows, SteerRows
+from vllm_runner.tap_steering import AblateRows, RowTable, SteerRows
 
 
 def in_graph_value(value: Value) -> bool:
@@ -82,6 +82,15 @@ class InGraphRows:
         self.steer = steer
         self.saves = saves
         self.width = steer.width
+
+    def edit_tables(self) -> tuple[tuple[RowTable, type[RowOp]], ...]:
+        """Each table the runtime fills before a forward, with the op whose vectors it holds."""
+        return (self.ablate, ProjectOut), (self.steer, Add)
+
+    def clear(self) -> None:
+        """No row gets a direction or a vector (after a step that filled them, or failed to)."""
+        for table, _ in self.edit_tables():
+            table.clear()
 
     def apply(self, module: nn.Module, raw: Any) -> None:
         """What the tap's hook runs before its op (traced into the graph). vLLM's two stream

@@ -25,7 +25,7 @@ from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_g
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
 from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
-from vllm_runner.ops import Add, Op, ProjectOut
+from vllm_runner.ops import Op
 from vllm_runner.program import Program, ProgramCache, ProgramData
 from vllm_runner.repeated_saves import RepeatedSaves
 from vllm_runner.serving import OpGroup, Services, Visits, serve
@@ -396,14 +396,13 @@ class Runtime:
                                      for members in groups):
                 continue
             try:
-                for table, kind in ((rows.ablate, ProjectOut), (rows.steer, Add)):
+                for table, kind in rows.edit_tables():
                     if found := steered_rows(self.values[location], groups, self.store.failed,
                                              table.vectors, kind):
                         table.fill(found)
             except Exception:  # the tap's Python serves them then, failing only whom it must
                 logger.exception("vllm-runner: %s could not be served in the graph", location)
-                rows.ablate.clear()
-                rows.steer.clear()
+                rows.clear()
                 continue
             self._saves_in_graph.append((location, groups))
             del tokens.wants[location]
@@ -425,8 +424,7 @@ class Runtime:
             rows = self.in_graph[location]
             if self.services.keeps_saves:
                 rows.saves.take(groups, self.store.failed, self.values[location], self.store)
-            rows.ablate.clear()
-            rows.steer.clear()
+            rows.clear()
         self._saves_in_graph.clear()
         step, self._graph_step = self._graph_step, None
         if step is not None:

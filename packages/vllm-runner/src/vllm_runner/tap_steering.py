@@ -155,11 +155,11 @@ class RowTable:
     def _cache(self) -> VectorCache:
         return VectorCache()
 
-    def rows_of(self, module: nn.Module, count: int) -> torch.Tensor:
-        """Each of the first `count` rows' vector (`[count, width]`), read through `module`
-        in the traced forward, so the compiler takes the buffers as inputs."""
+    def buffers_of(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table and the row index, read through `module` in the traced forward, so the
+        compiler takes them as the model's inputs."""
         table, index = (getattr(module, part) for part in self._names)
-        return table.index_select(0, index[:count])
+        return table, index
 
     def fill(self, steered: list[SteeredRows]) -> None:
         """Write this step's vectors and each row's slot, request by request (`write`)."""
@@ -212,7 +212,8 @@ class SteerRows(RowTable):
     def apply(self, module: nn.Module, rows: torch.Tensor) -> None:
         """Add each row's vector to `rows` (`[tokens, hidden]`) in place, traced into the
         compiled graph: no Python at run time."""
-        rows.add_(self.rows_of(module, rows.shape[0]))
+        table, index = self.buffers_of(module)
+        rows.add_(table.index_select(0, index[:rows.shape[0]]))
 
 
 class AblateRows(RowTable):
@@ -231,11 +232,11 @@ class AblateRows(RowTable):
         row's direction, traced into the compiled graph; a row at slot 0 loses nothing, even
         one holding infinities (`inf * 0` is NaN: the component is zeroed there, not
         computed as zero)."""
-        count = rows.shape[0]
-        directions = self.rows_of(module, count)
+        table, index = self.buffers_of(module)
+        slots = index[:rows.shape[0]]
+        directions = table.index_select(0, slots)
         component = (stream * directions).sum(-1, keepdim=True)
-        unablated = getattr(module, self._names[1])[:count].unsqueeze(-1) == 0
-        rows.sub_(component.masked_fill(unablated, 0) * directions)
+        rows.sub_(component.masked_fill(slots.unsqueeze(-1) == 0, 0) * directions)
 
 
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
