@@ -41,6 +41,7 @@ def arm_ops(arm: str, layers: int, hidden: int) -> list[Any]:
     middle = f"layers.{layers // 2}.layer_output"
     return {"save": [ops.Save(middle)],
             "steer": [ops.Add(middle, torch.ones(hidden), scale=0.5)],
+            "ablate": [ops.ProjectOut(middle, torch.ones(hidden))],
             "save every layer": [ops.Save("layers.*.layer_output")],
             "none": []}[arm]
 
