@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--arms", default="none,save,steer,save every layer")
+    parser.add_argument("--arms", default="none,save,steer,ablate,save every layer")
     parser.add_argument("--profile", action="store_true",
                         help="print each arm's costliest functions per step (cProfile)")
     parser.add_argument("--shape", default="thin-30",
