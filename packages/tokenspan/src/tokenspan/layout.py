@@ -73,7 +73,7 @@ class StepLayout:
         self._first_positions = tuple(first_positions)
         self._total = self._starts[-1] + self._counts[-1] if self._keys else 0
         self._padded_total = self._total if padded_total is None else int(padded_total)
-        self._index = {key: i for i, key in enumerate(self._keys)}
+        self._index = dict(zip(self._keys, range(len(self._keys)), strict=True))
         self._index_view = MappingProxyType(self._index)
         self._device_cache: dict[tuple[str, str], torch.Tensor] = {}
 
@@ -133,15 +133,15 @@ class StepLayout:
                 f"offsets must start at 0, got {offsets[0]}: rows 0:{offsets[0]} would belong "
                 "to no request (a gap)"
             )
-        counts = []
-        for i, key in enumerate(keys):
-            count = offsets[i + 1] - offsets[i]
-            if count < 0:
-                raise LayoutError(
-                    f"request {key!r} (index {i}) has a negative token count ({count}): its "
-                    f"offsets go from {offsets[i]} down to {offsets[i + 1]}"
-                )
-            counts.append(count)
+        # Engines call this every step: one pass for the counts, the culprit looked for only
+        # when one is negative.
+        counts = list(map(operator.sub, offsets[1:], offsets))
+        if counts and min(counts) < 0:
+            i = next(i for i, count in enumerate(counts) if count < 0)
+            raise LayoutError(
+                f"request {keys[i]!r} (index {i}) has a negative token count ({counts[i]}): its "
+                f"offsets go from {offsets[i]} down to {offsets[i + 1]}"
+            )
         return cls._validated(keys, offsets[:-1], counts, first_positions, padded_total)
 
     @classmethod
@@ -217,12 +217,12 @@ class StepLayout:
         else:
             positions = _ints(first_positions, "first_positions")
             _check_lengths(keys, positions, "first_positions")
-            for i, position in enumerate(positions):
-                if position < 0:
-                    raise LayoutError(
-                        f"request {keys[i]!r} (index {i}) has a negative first position "
-                        f"({position})"
-                    )
+            if positions and min(positions) < 0:
+                i = next(i for i, position in enumerate(positions) if position < 0)
+                raise LayoutError(
+                    f"request {keys[i]!r} (index {i}) has a negative first position "
+                    f"({positions[i]})"
+                )
         total = starts[-1] + counts[-1] if keys else 0
         if padded_total is not None and padded_total < total:
             culprit = next(i for i in range(len(keys)) if starts[i] + counts[i] > padded_total)
