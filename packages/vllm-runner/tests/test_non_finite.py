@@ -15,9 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import GENERATED, PROMPTS, greedy
+from hypothesis import example, given
+from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
+from vllm_runner.op_checks import non_finite
 
 LOCATION = "layers.1.layer_output"
 GREEDY = SamplingParams(max_tokens=GENERATED, temperature=0.0)
@@ -31,6 +34,28 @@ def _tokens(llm, prompt: list[int], program: list | None = None):
 
 def _poison(value, ctx):
     value.fill_(float("nan"))  # view mode: straight into the engine's rows
+
+
+_SPECIAL = [float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 6e4, 1e300, 0.0]
+
+
+@given(values=st.lists(st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=32),
+                                 st.sampled_from(_SPECIAL)), max_size=40),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       on_logits=st.booleans())
+@example(values=[3e38, 3e38], dtype=torch.float32, on_logits=False)  # a sum that overflows
+@example(values=[float("inf"), float("-inf")], dtype=torch.float32, on_logits=False)
+@example(values=[float("-inf"), 1.0], dtype=torch.bfloat16, on_logits=True)
+def test_the_check_of_an_edit_counts_exactly_the_values_torch_calls_not_finite(
+        values: list[float], dtype: torch.dtype, on_logits: bool) -> None:
+    """The check every edit passes before it is written (its fast path sums the edit) counts
+    what `torch.isfinite` says is not finite, `-inf` on the logits aside, whatever the values:
+    huge finite ones whose sum overflows included."""
+    tensor = torch.tensor(values, dtype=torch.float64).to(dtype)
+    bad = ~torch.isfinite(tensor)
+    if on_logits:
+        bad &= tensor != float("-inf")
+    assert non_finite(tensor, on_logits) == int(bad.sum())
 
 
 @pytest.mark.parametrize("make", [

@@ -25,9 +25,12 @@ def non_finite(tensor: torch.Tensor, on_logits: bool) -> int:
     """How many values of `tensor` are NaN or infinite — except `-inf` on the logits, which
     bans a token and touches nothing the engine keeps."""
     # Every edit of every request is checked each step (a `Call` on 64 requests: 64 checks a
-    # step), and nearly all are finite: one pass and one answer for them, the count only when
-    # something is not.
-    if bool(torch.isfinite(tensor).all()):
+    # step), and nearly all are finite: one reduction and one answer for them, the count only
+    # when something may not be. A NaN or an infinity anywhere makes the sum NaN or infinite, so
+    # a finite sum proves every value finite; a sum that overflowed (huge finite values) only
+    # takes the exact count below. One sum costs a third of `isfinite(...).all()` on a small
+    # edit and a fifth on a prompt's (2026-12-05, this CPU).
+    if math.isfinite(float(tensor.sum(dtype=torch.float32))):
         return 0
     bad = ~torch.isfinite(tensor)
     if on_logits:
