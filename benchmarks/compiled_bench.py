@@ -23,7 +23,8 @@ request ablates one direction there (`ProjectOut`, in the graph too); (c) every 
 saves every layer's `layer_output` (taps); (cg) the same on an engine of ours whose graph taps
 are every layer's (tier 3 at every layer; its own process, started only for this arm); (call)
 a `Call` at one layer on every request (a tap, the Python function run between compiled
-pieces); (call1) the same on one request of each wave, so every step with it leaves the full
+pieces); (callrows) the same with `rowwise=True`, one call a step for every request; (call1)
+the same as (call) on one request of each wave, so every step with it leaves the full
 graph for the piecewise graphs with almost no Python: what the pieces themselves cost;
 (untapped) every request saves one layer's `attention_output`, which no tap serves
 (tier 1: those steps run eager); (eager) the eager bare engine, no programs; (twin) vLLM's
@@ -77,6 +78,7 @@ NAMES = {
     "c": "every request saves every layer's layer_output (taps)",
     "cg": "every request saves every layer's layer_output (graph taps at every layer)",
     "call": "a Call at one layer on every request (tap)",
+    "callrows": "a rowwise Call at one layer on every request (tap): one call a step",
     "call1": "a Call at one layer on one request of each wave (tap): the pieces' own cost",
     "untapped": "every request saves one layer's attention_output (no tap: eager steps)",
     "eager": "vLLM's eager engine (enforce_eager=True), no programs",
@@ -125,6 +127,8 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
                 for i in range(requests)]
     if arm == "call":
         return [[ops.Call(f"layers.{middle}.layer_output", double)]] * requests
+    if arm == "callrows":
+        return [[ops.Call(f"layers.{middle}.layer_output", double, rowwise=True)]] * requests
     if arm == "untapped":
         return [[ops.Save(f"layers.{middle}.attention_output")]] * requests
     raise ValueError(f"unknown arm {arm!r}")

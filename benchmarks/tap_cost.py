@@ -7,7 +7,8 @@ random Llama (`random_models`' `thin-30`: hidden 64, 30 layers), so the forward 
 little and the difference between generating with and without a `Save` at every layer is
 mostly our Python:
 
-    python benchmarks/tap_cost.py [--requests 64] [--op save|call|call-read] [--profile]
+    python benchmarks/tap_cost.py [--requests 64] [--op save|call|call-read|call-rowwise]
+                                  [--profile]
 
 (in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
 benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost per tap call
@@ -15,7 +16,8 @@ benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost
 end), and with `--profile` where our code spends it. `--op call` runs a `Call` at every layer
 whose function returns an edited copy (`value * 1.0`: read, edit, check, write back for every
 request), `--op call-read` one that only reads (nothing written): issue [K]'s `call` arm, whose
-cost is this per-request Python at every step. Results: docs/cuda-graphs-design.md.
+cost is this per-request Python at every step. `--op call-rowwise` is `--op call` with
+`rowwise=True`: one call a step for every request. Results: docs/cuda-graphs-design.md.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def only_read(value: Any, context: Any) -> None:
 
 OPS = {"save": lambda ops: ops.Save("layers.*.layer_output"),
        "call": lambda ops: ops.Call("layers.*.layer_output", edited_copy),
-       "call-read": lambda ops: ops.Call("layers.*.layer_output", only_read)}
+       "call-read": lambda ops: ops.Call("layers.*.layer_output", only_read),
+       "call-rowwise": lambda ops: ops.Call("layers.*.layer_output", edited_copy, rowwise=True)}
 
 
 def main() -> None:

@@ -94,3 +94,52 @@ def test_a_raising_call_fails_only_its_request(llm) -> None:
     assert plain.error is None
     (again,) = run(llm, [[]])
     assert list(again.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+
+
+ROWWISE_CALLS: list[tuple[int, int | None]] = []
+
+
+def halve_rows(value, ctx):
+    ROWWISE_CALLS.append((value.shape[1], ctx.prompt_length))
+    value.mul_(0.5)
+
+
+def fail_on_nan_prompt(value, ctx):
+    """Rowwise: leaves NaN in the rows at position 10 (only the longest prompt has one)."""
+    value.mul_(0.5)
+    value[0, ctx.positions == 10] = float("nan")
+
+
+def test_a_rowwise_call_serves_its_program_s_requests_in_one_call_a_step(llm) -> None:
+    """Four requests running one rowwise `Call`: one call a step for all their rows (a decode
+    step hands it four), with the same tokens and log-probabilities as `Scale` gives each."""
+    ROWWISE_CALLS.clear()
+    programs = 4
+    rowwise = run(llm, [[ops.Call(LOCATION, halve_rows, rowwise=True)]] * programs)
+    scaled = run(llm, [[ops.Scale(LOCATION, 0.5)]] * programs)
+    for got, expected in zip(rowwise, scaled, strict=True):
+        assert got.error is None
+        assert list(got.outputs[0].token_ids) == list(expected.outputs[0].token_ids)
+        assert same_logprobs(got, expected)
+    rows_per_request = len(PROMPTS[1]) + GENERATED - 1
+    assert sum(rows for rows, _ in ROWWISE_CALLS) == programs * rows_per_request
+    assert (programs, None) in ROWWISE_CALLS  # a decode step: every request's row at once
+    assert len(ROWWISE_CALLS) < programs * GENERATED  # not one call per request
+
+
+def test_a_rowwise_call_that_breaks_one_request_fails_only_that_one(llm) -> None:
+    """The group's call leaves NaN in one request's rows: the requests are run alone, the one at
+    fault fails, the others are edited as `Scale` edits them."""
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, logprobs=0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params,
+                           interventions=[[ops.Call(LOCATION, fail_on_nan_prompt, rowwise=True)]]
+                           * 3, use_tqdm=False)
+    scaled = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts[1:]],
+                          params, interventions=[[ops.Scale(LOCATION, 0.5)]] * 2, use_tqdm=False)
+    assert "the function gave" in (outputs[0].error or "")  # its own check, alone
+    assert "non-finite values (NaN or infinity)" in (outputs[0].error or "")
+    for got, expected in zip(outputs[1:], scaled, strict=True):
+        assert got.error is None
+        assert list(got.outputs[0].token_ids) == list(expected.outputs[0].token_ids)
+        assert same_logprobs(got, expected)

@@ -142,6 +142,100 @@ def test_a_call_writes_back_what_its_read_mode_says(reads) -> None:
     torch.testing.assert_close(engine_rows[2:], slab(4)[2:])
 
 
+class RowwiseCalls:
+    """A rowwise `Call`'s function that doubles its rows, notes the rows and positions of each
+    call, and leaves NaN in any row it is given at position `poisoned` (as a bad input would)."""
+
+    def __init__(self, poisoned: int | None = None, raises: bool = False,
+                 returns: bool = False) -> None:
+        self.poisoned, self.raises, self.returns = poisoned, raises, returns
+        self.calls: list[tuple[int, list[int], int | None]] = []
+
+    def __call__(self, value: torch.Tensor, context: ops.CallContext) -> torch.Tensor | None:
+        positions = context.positions.tolist()
+        self.calls.append((value.shape[1], positions, context.prompt_length))
+        if self.raises and len(positions) > 2:
+            raise RuntimeError("fails on more than two rows")
+        edited = value * 2 if self.returns else value.mul_(2)
+        if self.poisoned in positions:
+            edited[0, positions.index(self.poisoned)] = float("nan")
+        return edited if self.returns else None
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.integers(1, 5), min_size=2, max_size=7), st.data())
+def test_a_rowwise_call_runs_once_for_its_group_and_equals_each_alone(counts, data) -> None:
+    """A rowwise `Call` on a group of requests (any of them, so their rows may be several runs)
+    is one call a step, given every member's rows in slab order with their own positions;
+    what it writes equals the call on each request's rows alone, and nothing else moves."""
+    layout = layout_of(counts, firsts=data.draw(st.lists(st.integers(0, 50), min_size=len(counts),
+                                                          max_size=len(counts))))
+    chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
+    returns = data.draw(st.booleans())
+    function = RowwiseCalls(returns=returns)
+    requests = [request for request in
+                scheduled(layout, [ops.Call("layers.0.layer_output", function, rowwise=True)])
+                if request.request_id in chosen]
+    plan = plan_step(layout, requests, locations_of)
+    engine_rows = slab(layout.total)
+    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
+    expected, positions = slab(layout.total), []
+    for key in layout.keys:  # slab order
+        span = layout[key]
+        if key in chosen:
+            expected[span.start:span.stop] *= 2
+            positions += span.positions().tolist()
+    torch.testing.assert_close(engine_rows, expected, rtol=0, atol=0)
+    assert function.calls == [(len(positions), positions, None)]
+
+
+@pytest.mark.parametrize("failure", ["nan", "raises"])
+def test_a_rowwise_call_that_fails_on_the_group_is_run_alone_and_fails_only_its_culprit(
+        failure) -> None:
+    """A NaN left in one request's rows (or a call that raises on the group only) falls back to
+    one call per request: the culprit fails alone, with nothing written; the others are edited."""
+    layout = layout_of([2, 2, 2], firsts=[0, 10, 20])
+    function = RowwiseCalls(poisoned=11 if failure == "nan" else None,
+                            raises=failure == "raises")
+    plan = plan_step(layout, scheduled(layout, [ops.Call("layers.0.layer_output", function,
+                                                         rowwise=True)]), locations_of)
+    engine_rows, used = slab(6), services()
+    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
+    assert [rows for rows, _, _ in function.calls] == [6, 2, 2, 2]  # together, then alone
+    if failure == "nan":
+        assert [used.store.failed(f"p-r{i}") for i in range(3)] == [False, True, False]
+        assert "NaN" in (used.store.error("p-r1") or "")
+        torch.testing.assert_close(engine_rows[2:4], slab(6)[2:4])  # nothing written for r1
+        edited = [0, 1, 4, 5]
+    else:
+        assert not any(used.store.failed(f"p-r{i}") for i in range(3))
+        edited = list(range(6))
+    torch.testing.assert_close(engine_rows[edited], 2 * slab(6)[edited])
+
+
+def test_a_rowwise_call_is_one_object_for_every_request_running_its_program() -> None:
+    """Programs share their decoded ops by digest when every `Call` in them is rowwise (one
+    function for the group); a plain `Call` is unpickled per request, as it may keep state."""
+    from vllm_runner.program import ProgramCache, encode, encode_ops, program_digest
+
+    cache = ProgramCache()
+    for rowwise in (True, False):
+        data = encode_ops([ops.Call("layers.0.layer_output", _double, rowwise=rowwise)])
+        first, second = (cache.get(encode(f"{rowwise}-{i}", data, program_digest(data)))
+                         for i in range(2))
+        assert (first.ops[0] is second.ops[0]) is rowwise
+        assert first.ops[0].rowwise is rowwise
+
+
+def _double(value: torch.Tensor, context: ops.CallContext) -> torch.Tensor:
+    return value * 2
+
+
+def test_rowwise_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="rowwise must be True or False, not 'yes'"):
+        ops.Call("layers.0.layer_output", _double, rowwise="yes")  # type: ignore[arg-type]
+
+
 def test_hooks_are_installed_for_wanted_locations_only_and_see_the_output() -> None:
     module = Toy()
     value = residual_value(module)

@@ -191,6 +191,7 @@ def _field_schema(type_name: str) -> dict[str, Any]:
     known: dict[str, dict[str, Any]] = {
         "str": {"type": "string"},
         "float": {"type": "number"},
+        "bool": {"type": "boolean"},
         "int": {"type": "integer", "minimum": 1},
         "torch.Tensor": {"$ref": "#/$defs/tensor"},
         "tuple[int, ...] | None": {"anyOf": [whole_numbers, {"type": "null"}]},

@@ -19,7 +19,7 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from tokenspan import READ_MODES, ReadMode, Span, lend
+from tokenspan import READ_MODES, ReadMode, Selection, Span, lend
 
 from vllm_runner.op_checks import (
     STEPS,
@@ -454,17 +454,19 @@ class Skip(Op):
 @dataclass(frozen=True)
 class CallContext:
     """What a `Call` function learns about the rows it is given: `location`, `positions` (the
-    absolute position of each row) and `prompt_length`."""
+    absolute position of each row in its own request) and `prompt_length` (`None` for a
+    `rowwise` call, whose rows may come from several requests)."""
 
     location: str
-    _rows: Span = field(repr=False)
-    prompt_length: int
+    _rows: Span | Selection = field(repr=False)
+    prompt_length: int | None
 
     @cached_property
     def positions(self) -> torch.Tensor:
         """The absolute position of each row (int64), made when first asked for: most
         functions never ask, and a `Call` runs for every request at every step."""
-        return self._rows.positions()
+        rows = self._rows
+        return rows.positions() if isinstance(rows, Span) else rows.positions
 
 
 @dataclass(frozen=True)
@@ -486,12 +488,35 @@ class Call(Op):
     `ctx` has `location`, `positions` (absolute position of each row) and `prompt_length`. The
     function is cloudpickled, so it runs in the worker process(es) — on every rank under tensor
     parallelism, with the whole value — and what it keeps lives there (save values with `Save`).
+
+    `rowwise=True` promises that the function treats every row on its own — row i of what it
+    returns (or writes in place) depends on row i of the value only, as an SAE's encoder and
+    decoder, a probe or a per-token rule do — and keeps no state of its own per request. Then
+    the requests running this same program are handed to it together: one call a step for all
+    their rows at the location (a value of row-by-row values only: the residual stream,
+    attention and MLP outputs, queries, keys, values, neurons), instead of one call per
+    request; `ctx.positions` gives each row's position in its own request and
+    `ctx.prompt_length` is `None`. The rows are lent as a private copy (a lease, or a copy in
+    `"copy"` mode). Where that call raises or leaves a row not finite, the requests are run
+    again one by one, so that only those at fault fail (the function then runs twice on their
+    rows). Values that are not row by row (attention patterns) are always served per request.
     """
 
     kind = "call"
 
     fn: Any = field(repr=False)
     reads: ReadMode | None = None
+    rowwise: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rowwise, bool):
+            raise TypeError(f"{op_name(self)}: rowwise must be True or False, not "
+                            f"{self.rowwise!r}")
+
+    def shares_rows(self) -> bool:
+        """Whether the requests running this call are served with one call a step
+        (`rowwise=True`)."""
+        return self.rowwise
 
     def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """The function as cloudpickled bytes; a bad read mode is refused here, in the user's
@@ -519,8 +544,9 @@ class Call(Op):
             with torch.inference_mode(False):
                 value = visit.read()
             lent = lend(value, "copy" if mode == "copy" else "lease", owned=True)
-        context = CallContext(visit.location, visit.want.span, visit.want.step.prompt_length)
-        result = self._run_user_code(lent.value, context)
+        context = CallContext(visit.location, visit.want.span,
+                              None if self.rowwise else visit.want.step.prompt_length)
+        result = self.run_user_code(lent.value, context)
         edited = lent.written(result)
         if edited is None:
             if lent.mode == "view":  # its writes landed already: say so if they broke it
@@ -531,7 +557,9 @@ class Call(Op):
                           "the function's result", visit.location)
         visit.write(edited)
 
-    def _run_user_code(self, value: torch.Tensor, context: CallContext) -> Any:
+    def run_user_code(self, value: torch.Tensor, context: CallContext) -> Any:
+        """`fn(value, context)`: the one frame between our code and the user's, which
+        `failure_detail` cuts a traceback at."""
         return self.fn(value, context)
 
     def failure_detail(self, error: BaseException) -> str:
@@ -539,7 +567,7 @@ class Call(Op):
         code, with its file and line)."""
         frames = traceback.extract_tb(error.__traceback__)
         ours = [index for index, frame in enumerate(frames)
-                if frame.filename == __file__ and frame.name == "_run_user_code"]
+                if frame.filename == __file__ and frame.name == "run_user_code"]
         user = frames[ours[-1] + 1:] if ours else frames
         if not user:
             return ""

@@ -102,8 +102,9 @@ class Program:
 
 class ProgramCache:
     """Each running request's decoded program, decoded at its first step and kept until its
-    saves are collected or dropped; programs without a `Call` share their ops by digest (a
-    `Call`'s function is unpickled per request: it may keep state of its own)."""
+    saves are collected or dropped; programs share their ops by digest unless they hold a
+    `Call` that is not `rowwise` (its function is unpickled per request: it may keep state of
+    its own; a rowwise one promises it keeps none)."""
 
     def __init__(self) -> None:
         self._programs: dict[str, Program] = {}
@@ -123,7 +124,7 @@ class ProgramCache:
         if shared is not None:
             return shared
         ops = tuple(op_from_data(op) for op in data["ops"])
-        if not any(isinstance(op, Call) for op in ops):
+        if not any(isinstance(op, Call) and not op.rowwise for op in ops):
             if len(self._shared) >= SHARED_PROGRAMS:
                 self._shared.pop(next(iter(self._shared)))
             self._shared[data["digest"]] = ops

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from tokenspan import ReadMode, RunRead, Span, StepLayout, narrow, widen
+from tokenspan import ReadMode, RunRead, Span, StepLayout, lend, narrow, widen
 from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import refuse_non_finite
-from vllm_runner.ops import EditOp, Op
+from vllm_runner.ops import Call, CallContext, EditOp, Op
 from vllm_runner.store import SaveStore
 
 
@@ -178,6 +178,8 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
         return False
     if isinstance(op, EditOp):
         return _edit_together(op, value, raw, members, layout, token_axis, store)
+    if isinstance(op, Call):
+        return _call_together(op, value, raw, members, layout, token_axis, services)
     return not services.keeps_saves or _save_together(value, raw, members, layout, token_axis,
                                                       store)
 
@@ -227,13 +229,50 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
             writes.append((run, value.write(rows, edited, step)))
     except Exception:
         return False  # nothing written yet: served one by one, each with its own error
+    _write_runs(writes, raw, layout, members, f"{op.kind} at {value.location}", store)
+    return True
+
+
+def _write_runs(writes: list[tuple[Span, Any]], raw: Any, layout: StepLayout,
+                members: OpGroup, what: str, store: SaveStore) -> None:
+    """Write each run's new rows into the engine's; a write that fails (after others may have
+    landed) fails every member."""
     try:
         for run, new_rows in writes:
             widen(raw, run, layout, new_rows)
     except Exception as error:
         for want in members:
-            store.fail(want.program_id, f"{op.kind} at {value.location}: "
-                                        f"{type(error).__name__}: {error}")
+            store.fail(want.program_id, f"{what}: {type(error).__name__}: {error}")
+
+
+def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+                   token_axis: int, services: Services) -> bool:
+    """A `rowwise` call: the function run once on the rows of every member (its runs of
+    adjacent rows joined along the tokens axis), its result cut back into the runs and written;
+    nothing is written unless the call returned and every row is finite (`False`: each
+    request is run alone, and only those at fault fail)."""
+    step = members[0].step
+    selection = layout.select([want.request_id for want in members])
+    runs = [Span(start, stop) for start, stop in selection.runs]
+    mode = op.reads or services.reads
+    try:
+        with torch.inference_mode(False):  # the copy counts its in-place edits (a lease)
+            reads = [value.read(narrow(raw, run, layout), step) for run in runs]
+            joined = reads[0] if len(reads) == 1 else torch.cat(reads, token_axis)
+        lent = lend(joined, "copy" if mode == "copy" else "lease", owned=True)
+        context = CallContext(value.location, selection, None)
+        edited = lent.written(op.run_user_code(lent.value, context))
+        if edited is None:
+            return True  # untouched: nothing is written
+        if edited.shape != joined.shape:
+            return False
+        refuse_non_finite(edited, "the function", value.location)
+        pieces = edited.split([len(run) for run in runs], token_axis)
+        writes = [(run, value.write(narrow(raw, run, layout), piece, step))
+                  for run, piece in zip(runs, pieces, strict=True)]
+    except Exception:
+        return False  # nothing written yet
+    _write_runs(writes, raw, layout, members, f"{op.kind} at {value.location}", services.store)
     return True
 
 

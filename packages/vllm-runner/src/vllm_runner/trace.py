@@ -108,9 +108,10 @@ class Node:
         """Remove the component along `direction` (see `ops.ProjectOut`)."""
         self._trace._ops.append(ops.ProjectOut(self._location, direction, **where))
 
-    def call(self, fn: Any, reads: ReadMode | None = None) -> None:
-        """Run `fn(value, ctx)` in the worker (see `ops.Call`)."""
-        self._trace._ops.append(ops.Call(self._location, fn, reads))
+    def call(self, fn: Any, reads: ReadMode | None = None, rowwise: bool = False) -> None:
+        """Run `fn(value, ctx)` in the worker (see `ops.Call`; `rowwise=True`: one call a step
+        for all the requests running it)."""
+        self._trace._ops.append(ops.Call(self._location, fn, reads, rowwise))
 
     def skip(self) -> None:
         """Make this layer pass its input through, for this request only (see `ops.Skip`)."""
