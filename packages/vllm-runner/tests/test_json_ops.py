@@ -201,7 +201,25 @@ def test_call_is_refused_unless_code_is_allowed() -> None:
     assert error.field == "interventions[0].op"
     assert "--interp-allow-code" in str(error) or "operator" in str(error)
     allowed = refused(sent, allow_code=True)  # past the gate, the bad fn itself is refused
-    assert allowed.field == "interventions[0]" and "--interp-allow-code" not in str(allowed)
+    assert allowed.field == "interventions[0].fn" and "--interp-allow-code" not in str(allowed)
+
+
+def test_a_call_takes_its_function_in_base64_and_rowwise_as_a_boolean() -> None:
+    import cloudpickle
+
+    sent = {"op": "call", "location": LOCATION, "rowwise": True,
+            "fn": base64.b64encode(cloudpickle.dumps(_doubled)).decode()}
+    (op,) = ops_from_json([sent], no_vectors, allow_code=True)
+    assert isinstance(op, ops.Call) and op.rowwise is True
+    assert torch.equal(op.fn(torch.ones(2), None), torch.full((2,), 2.0))
+    error = refused([{**sent, "rowwise": "yes"}], allow_code=True)
+    assert error.field == "interventions[0]" and "rowwise must be True or False" in str(error)
+    error = refused([{**sent, "fn": "not base64!"}], allow_code=True)
+    assert error.field == "interventions[0].fn" and "cloudpickle.dumps" in str(error)
+
+
+def _doubled(value, context):
+    return value * 2
 
 
 def test_op_check_failure_becomes_an_input_error() -> None:

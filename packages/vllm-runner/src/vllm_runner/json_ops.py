@@ -150,6 +150,8 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
             continue
         if name in tensors:
             fields[name] = tensor_from_json(value, f"{field}.{name}", vectors)
+        elif kind in CODE_OPS and name == "fn":
+            fields[name] = _function_bytes(value, f"{field}.fn")
         elif isinstance(value, list):
             fields[name] = tuple(value)
         else:
@@ -162,6 +164,17 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
                                             f"{', '.join(accepted)}") from None
     except ValueError as error:
         raise InterventionInputError(field, str(error)) from None
+
+
+def _function_bytes(value: Any, field: str) -> bytes:
+    """A code op's function as sent: cloudpickled bytes in base64 (unpickled by the op)."""
+    try:
+        if isinstance(value, str):
+            return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    raise InterventionInputError(field, "a cloudpickled function in base64: "
+                                        "base64.b64encode(cloudpickle.dumps(fn)).decode()")
 
 
 def _skip_item(item: Mapping[str, Any], field: str) -> Mapping[str, Any]:
