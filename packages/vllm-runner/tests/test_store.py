@@ -43,8 +43,10 @@ def test_collected_rows_own_their_memory_and_filters_apply() -> None:
 
 
 # 64 bytes: tensors over the staging buffer cross alone, window by window; 256: batches of a few
-# tensors of mixed dtypes; 2**20: all in one batch. Three landing threads (any batch over 16
-# bytes split between them) or one.
+# tensors of mixed dtypes, each launched into one half of the buffer while the batch before it
+# is written out from the other (a batch staged into the half still being written out fails
+# here); 2**20: all in one batch. Three landing threads (any batch over 16 bytes split between
+# them) or one.
 @pytest.mark.parametrize("staging_bytes", [64, 256, 2**20])
 @pytest.mark.parametrize("landing_threads", [1, 3])
 def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes,

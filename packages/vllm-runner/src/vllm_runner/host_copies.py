@@ -14,6 +14,11 @@ copy is split by bytes over a few threads (`LANDING_THREADS`; torch's copies rel
 the faults are taken on several cores at once. Saves bound for a file in shared memory (a client
 in another process: `wire`) skip that copy: their bytes go from the staging buffer straight into
 the file (`FileFor`).
+
+The staging buffer has two halves, each a batch: a batch's device-to-host copy is launched
+into one half without waiting, and the host then writes out the batch before it from the other
+half, so the device's copy (and the gathers queued before it) overlap the host's writes —
+with every layer saved for 64 requests a collection is ~17 batches (1.1 GB on the H200).
 """
 
 from __future__ import annotations
@@ -61,9 +66,20 @@ def on_a_device(rows: torch.Tensor) -> bool:
 
 
 def staging_buffer() -> torch.Tensor:
-    """The host buffer device tensors cross through: pinned where CUDA is, so each copy is one
-    direct transfer (plain memory otherwise: host tensors never use it)."""
-    return torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    """The host buffer device tensors cross through, two batches of `STAGING_BYTES`: pinned
+    where CUDA is, so each copy is one direct transfer that need not be waited for at once
+    (plain memory otherwise: host tensors never use it)."""
+    return torch.empty(2 * STAGING_BYTES, dtype=torch.uint8,
+                       pin_memory=torch.cuda.is_available())
+
+
+class _Staged(NamedTuple):
+    """A batch whose device-to-host copies were launched: per dtype, its entries and their
+    bytes' place in the staging buffer; `done` is recorded after the copies (`None` where
+    they were synchronous: no CUDA)."""
+
+    groups: list[tuple[list[_Waiting], torch.Tensor]]
+    done: Any
 
 
 class ToHost:
@@ -80,6 +96,8 @@ class ToHost:
         self._staging = staging
         self._batch: list[_Waiting] = []
         self._size = 0
+        self._staged: _Staged | None = None  # launched, not yet written out
+        self._half = 0  # the half of the staging buffer the next batch goes into
 
     def add(self, holder: Holder, slot: Any, into: FileFor | None = None) -> None:
         """Move `holder[slot]` to the host (or `into` a file): now if it is there already or
@@ -93,10 +111,11 @@ class ToHost:
             return
         size = _aligned(rows.numel() * rows.element_size())
         if size > STAGING_BYTES:  # one save of over 64 MiB (long prompts): window by window
+            self.flush()  # the whole buffer is the window
             holder[slot] = _copy_through(rows, self._staging(), into)
             return
         if self._size + size > STAGING_BYTES:
-            self.flush()
+            self._launch()
         self._batch.append((holder, slot, rows, into))
         self._size += size
 
@@ -107,10 +126,24 @@ class ToHost:
             self.add(saved, location, into.get(location) if into else None)
 
     def flush(self) -> None:
-        """Copy the waiting device tensors now."""
-        if self._batch:
-            _copy_batch(self._batch, self._staging())
-        self._batch, self._size = [], 0
+        """Copy the waiting device tensors now (every `holder[slot]` is on the host after)."""
+        self._launch()
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            _write_out(staged)
+
+    def _launch(self) -> None:
+        """Launch the waiting batch's copies into the free half of the staging buffer, then
+        write out the batch launched before it while they run."""
+        if not self._batch:
+            return
+        buffer = self._staging()
+        half = buffer.numel() // 2
+        staged = _stage(self._batch, buffer[self._half * half:(self._half + 1) * half])
+        self._batch, self._size, self._half = [], 0, 1 - self._half
+        earlier, self._staged = self._staged, staged
+        if earlier is not None:
+            _write_out(earlier)
 
 
 def _aligned(size: int) -> int:
@@ -141,19 +174,34 @@ def _copy_through(rows: torch.Tensor, staging: torch.Tensor, into: FileFor | Non
     return host if host is not None else _placeholder(rows)
 
 
-def _copy_batch(batch: list[_Waiting], staging: torch.Tensor) -> None:
-    """One device-to-host copy per dtype for `batch` (at most `STAGING_BYTES` together, each
-    tensor's bytes aligned); each entry gets its own host tensor, or its bytes written from the
-    staging buffer into its file (several files on several threads)."""
+def _stage(batch: list[_Waiting], staging: torch.Tensor) -> _Staged:
+    """Launch one device-to-host copy per dtype for `batch` (at most `STAGING_BYTES` together,
+    each tensor's bytes aligned) into `staging`, without waiting for them."""
     by_dtype: dict[torch.dtype, list[_Waiting]] = defaultdict(list)
     for entry in batch:
         by_dtype[entry[2].dtype].append(entry)
+    groups = []
     at = 0
     for dtype, entries in by_dtype.items():
         flat = torch.cat([entry[2].reshape(-1) for entry in entries])
         size = flat.numel() * flat.element_size()
         landed = staging[at:at + size].view(dtype)
-        landed.copy_(flat)  # waits for the device: the host reads it next
+        landed.copy_(flat, non_blocking=True)  # into pinned memory: the host goes on
+        groups.append((entries, landed))
+        at += _aligned(size)
+    done = None
+    if torch.cuda.is_available() and on_a_device(batch[0][2]):
+        done = torch.cuda.Event()
+        done.record()
+    return _Staged(groups, done)
+
+
+def _write_out(staged: _Staged) -> None:
+    """Once `staged`'s copies are done, give each entry its own host tensor, or write its bytes
+    from the staging buffer into its file (several files on several threads)."""
+    if staged.done is not None:
+        staged.done.synchronize()
+    for entries, landed in staged.groups:
         pieces = landed.split([entry[2].numel() for entry in entries])
         written = iter(in_parallel([partial(write_into, into, piece) for (*_, into), piece
                                     in zip(entries, pieces, strict=True) if into is not None]))
@@ -162,10 +210,9 @@ def _copy_batch(batch: list[_Waiting], staging: torch.Tensor) -> None:
             if into is not None and next(written):
                 holder[slot] = _placeholder(rows)
                 continue
-            holder[slot] = torch.empty(rows.shape, dtype=dtype)
+            holder[slot] = torch.empty(rows.shape, dtype=rows.dtype)
             pairs.append((holder[slot].view(-1), piece))
         land(pairs)
-        at += _aligned(size)
 
 
 def write_into(into: FileFor, rows: torch.Tensor) -> bool:
