@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from tokenspan import ReadMode, RunRead, Span, StepLayout, lend, narrow, widen
+from tokenspan import ReadMode, RunRead, Selection, Span, StepLayout, lend, narrow, widen
 from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern
 
@@ -39,14 +39,22 @@ PlannedRead = tuple[RunRead, list[tuple[str, int]]]
 
 class OpGroup(list[Want]):
     """The wants of one op of one program this step (requests running the same program), and
-    `reads`: how a save reads them all, made at the group's first visit — a group saving every
-    layer visits as many locations as there are layers, with the same rows."""
+    what is made at the group's first visit and kept for the rest of the step (a group acting at
+    every layer visits as many locations as there are layers, with the same rows): `reads`, how
+    a save reads them all, and `selection`, their rows in the step."""
 
-    __slots__ = ("reads",)
+    __slots__ = ("reads", "selection")
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[PlannedRead] | None = None
+        self.selection: Selection | None = None
+
+    def selected(self, layout: StepLayout) -> Selection:
+        """The members' rows in `layout` (the step's), made at the first visit."""
+        if self.selection is None:
+            self.selection = layout.select([want.request_id for want in self])
+        return self.selection
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,7 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
     step = members[0].step
     writes = []
     try:
-        for start, stop in layout.select([want.request_id for want in members]).runs:
+        for start, stop in members.selected(layout).runs:
             run = Span(start, stop)
             rows = narrow(raw, run, layout)
             current = value.read(rows, step)
@@ -252,12 +260,13 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
     nothing is written unless the call returned and every row is finite (`False`: each
     request is run alone, and only those at fault fail)."""
     step = members[0].step
-    selection = layout.select([want.request_id for want in members])
+    selection = members.selected(layout)
     runs = [Span(start, stop) for start, stop in selection.runs]
     mode = op.reads or services.reads
     try:
+        engine_rows = [narrow(raw, run, layout) for run in runs]
         with torch.inference_mode(False):  # the copy counts its in-place edits (a lease)
-            reads = [value.read(narrow(raw, run, layout), step) for run in runs]
+            reads = [value.read(rows, step) for rows in engine_rows]
             joined = reads[0] if len(reads) == 1 else torch.cat(reads, token_axis)
         lent = lend(joined, "copy" if mode == "copy" else "lease", owned=True)
         context = CallContext(value.location, selection, None)
@@ -268,8 +277,8 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
             return False
         refuse_non_finite(edited, "the function", value.location)
         pieces = edited.split([len(run) for run in runs], token_axis)
-        writes = [(run, value.write(narrow(raw, run, layout), piece, step))
-                  for run, piece in zip(runs, pieces, strict=True)]
+        writes = [(run, value.write(rows, piece, step))
+                  for run, rows, piece in zip(runs, engine_rows, pieces, strict=True)]
     except Exception:
         return False  # nothing written yet
     _write_runs(writes, raw, layout, members, f"{op.kind} at {value.location}", services.store)
