@@ -189,6 +189,29 @@ def test_a_rowwise_call_runs_once_for_its_group_and_equals_each_alone(counts, da
     assert function.calls == [(len(positions), positions, None)]
 
 
+def test_a_group_acting_at_every_layer_serves_each_location_with_its_own_rows() -> None:
+    """One op at two layers is one group visiting two locations in a step (its rows selected
+    at the first visit and kept): a rowwise `Call` and an `Add` edit the group's rows at each,
+    and rows of requests outside the group stay as they were."""
+    layout = layout_of([2, 3, 1, 2])
+    both_layers = ["layers.0.layer_output", "layers.1.layer_output"]
+    function = RowwiseCalls()
+    program = [ops.Call("layers.*.layer_output", function, rowwise=True),
+               ops.Add("layers.*.layer_output", torch.ones(HIDDEN))]
+    requests = [request for request in scheduled(layout, program) if request.request_id != "r1"]
+    plan = plan_step(layout, requests, lambda op: both_layers)
+    expected = slab(layout.total)
+    kept = [row for key in ("r0", "r2", "r3") for row in range(layout[key].start, layout[key].stop)]
+    for layer, location in enumerate(both_layers):
+        engine_rows = slab(layout.total)
+        serving.serve(residual_value(Toy(), f"layers.{layer}"), engine_rows, plan.tokens,
+                      services())
+        want = expected.clone()
+        want[kept] = 2 * expected[kept] + 1
+        torch.testing.assert_close(engine_rows, want, rtol=0, atol=0)
+    assert [rows for rows, _, _ in function.calls] == [len(kept)] * 2
+
+
 @pytest.mark.parametrize("failure", ["nan", "raises"])
 def test_a_rowwise_call_that_fails_on_the_group_is_run_alone_and_fails_only_its_culprit(
         failure) -> None:
