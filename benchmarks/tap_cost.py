@@ -7,7 +7,7 @@ random Llama (`random_models`' `thin-30`: hidden 64, 30 layers), so the forward 
 little and the difference between generating with and without a `Save` at every layer is
 mostly our Python:
 
-    python benchmarks/tap_cost.py [--requests 64] [--op save|call|call-read|call-rowwise]
+    python benchmarks/tap_cost.py [--requests 64] [--op save|call|call-read|call-rowwise|lens]
                                   [--profile]
 
 (in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
@@ -17,7 +17,8 @@ end), and with `--profile` where our code spends it. `--op call` runs a `Call` a
 whose function returns an edited copy (`value * 1.0`: read, edit, check, write back for every
 request), `--op call-read` one that only reads (nothing written): issue [K]'s `call` arm, whose
 cost is this per-request Python at every step. `--op call-rowwise` is `--op call` with
-`rowwise=True`: one call a step for every request. Results: docs/cuda-graphs-design.md.
+`rowwise=True`: one call a step for every request; `--op lens` a logit lens (top 5) at every
+layer. Results: docs/cuda-graphs-design.md.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def only_read(value: Any, context: Any) -> None:
 OPS = {"save": lambda ops: ops.Save("layers.*.layer_output"),
        "call": lambda ops: ops.Call("layers.*.layer_output", edited_copy),
        "call-read": lambda ops: ops.Call("layers.*.layer_output", only_read),
-       "call-rowwise": lambda ops: ops.Call("layers.*.layer_output", edited_copy, rowwise=True)}
+       "call-rowwise": lambda ops: ops.Call("layers.*.layer_output", edited_copy, rowwise=True),
+       "lens": lambda ops: ops.Lens("layers.*.layer_output", top_k=5)}
 
 
 def main() -> None:
@@ -55,6 +57,9 @@ def main() -> None:
     parser.add_argument("--op", choices=sorted(OPS), default="save",
                         help="what every request runs at every layer (default: save)")
     parser.add_argument("--profile", action="store_true", help="also profile one saving run")
+    parser.add_argument("--shape", default="thin-30",
+                        help="random_models' shape (default thin-30; a lens needs a real "
+                             "vocabulary to cost what it does: smollm2-135m)")
     arguments = parser.parse_args()
 
     import torch
@@ -63,8 +68,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
     from vllm_runner import LLM, ops
 
-    model = random_checkpoint("thin-30", tempfile.mkdtemp(), torch.float32)
-    layers = SHAPES["thin-30"]["num_hidden_layers"]
+    model = random_checkpoint(arguments.shape, tempfile.mkdtemp(), torch.float32)
+    layers = SHAPES[arguments.shape]["num_hidden_layers"]
     llm = LLM(model, skip_tokenizer_init=True, enforce_eager=False,
               taps=["layers.*.layer_output"], kv_cache_memory_bytes=256 << 20,
               max_model_len=256, seed=0)

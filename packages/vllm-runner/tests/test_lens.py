@@ -8,7 +8,7 @@ import torch
 from conftest import GENERATED, PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_runner import ops
+from vllm_runner import lens, ops, serving
 
 
 def test_lens_equals_transformers_top_k_at_every_position(llm, reference) -> None:
@@ -35,3 +35,34 @@ def test_a_lens_of_no_tokens_is_refused_when_made(top_k) -> None:
     with pytest.raises(ValueError, match="top_k must be"):
         ops.Lens("layers.0.layer_output", top_k=top_k)
     assert ops.Lens("layers.0.layer_output", top_k=np.int64(3)).to_data()["top_k"] == 3
+
+
+def test_requests_running_one_lens_are_served_together_each_equal_to_transformers(
+        llm, reference, monkeypatch) -> None:
+    """Three prompts running the same `Lens`: their rows are projected together (one lens a
+    step for all, a few rows at a time here) and each request's top-k equals transformers' on
+    its own tokens."""
+    monkeypatch.setattr(lens, "LENS_ROWS", 3)
+    joined = []
+    together = serving._lens_together
+
+    def counted(*args, **kwargs):
+        joined.append(together(*args, **kwargs))
+        return joined[-1]
+
+    monkeypatch.setattr(serving, "_lens_together", counted)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
+                           SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                           interventions=[[ops.Lens("layers.1.layer_output", top_k=5)]] * 3,
+                           use_tqdm=False)
+    assert joined and all(joined)  # served together, never falling back
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.error is None
+        tokens = prompt + list(output.outputs[0].token_ids)[:-1]
+        with torch.no_grad():
+            hidden = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states[2]
+            probabilities = reference.lm_head(reference.model.norm(hidden)).softmax(-1)
+        expected_probs, expected_tokens = probabilities.topk(5, dim=-1)
+        assert torch.equal(output.saved["layers.1.layer_output.lens_tokens"], expected_tokens)
+        assert torch.allclose(output.saved["layers.1.layer_output.lens_probs"], expected_probs,
+                              atol=1e-5)

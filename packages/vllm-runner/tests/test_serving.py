@@ -12,6 +12,7 @@ from parts import HIDDEN, Toy, layout_of, residual_value, scheduled, services
 from vllm_runner import ops, serving
 from vllm_runner.hooks import Hooks
 from vllm_runner.step_plan import NOTHING_PLANNED, plan_step, sampled_rows
+from vllm_runner.store import SaveStore
 
 
 def locations_of(op: ops.Op) -> list[str]:
@@ -201,11 +202,12 @@ def test_a_group_acting_at_every_layer_serves_each_location_with_its_own_rows() 
     requests = [request for request in scheduled(layout, program) if request.request_id != "r1"]
     plan = plan_step(layout, requests, lambda op: both_layers)
     expected = slab(layout.total)
-    kept = [row for key in ("r0", "r2", "r3") for row in range(layout[key].start, layout[key].stop)]
-    for layer, location in enumerate(both_layers):
+    kept = [row for key in ("r0", "r2", "r3")
+            for row in range(layout[key].start, layout[key].stop)]
+    for location in both_layers:
         engine_rows = slab(layout.total)
-        serving.serve(residual_value(Toy(), f"layers.{layer}"), engine_rows, plan.tokens,
-                      services())
+        serving.serve(residual_value(Toy(), location.rsplit(".", 1)[0]), engine_rows,
+                      plan.tokens, services())
         want = expected.clone()
         want[kept] = 2 * expected[kept] + 1
         torch.testing.assert_close(engine_rows, want, rtol=0, atol=0)
@@ -252,6 +254,34 @@ def test_a_rowwise_call_is_one_object_for_every_request_running_its_program() ->
 
 def _double(value: torch.Tensor, context: ops.CallContext) -> torch.Tensor:
     return value * 2
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.lists(st.integers(1, 5), min_size=2, max_size=6), st.data())
+def test_requests_running_one_lens_share_one_projection_and_each_keeps_its_own(counts,
+                                                                              data) -> None:
+    """A `Lens` on a group of requests projects their rows once (joined over the planned
+    reads, which may span requests outside the group); each keeps the top-k of its own rows."""
+    layout = layout_of(counts, firsts=[10 * i for i in range(len(counts))])
+    chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
+    projected: list[int] = []
+
+    def lens(rows: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        projected.append(rows.shape[1])
+        return rows[0, :, :top_k] * 0.5, rows[0, :, :top_k].long()
+
+    requests = [request for request in scheduled(layout, [ops.Lens("layers.0.layer_output", 2)])
+                if request.request_id in chosen]
+    plan = plan_step(layout, requests, locations_of)
+    used = serving.Services(SaveStore(), lens)
+    serving.serve(residual_value(Toy()), slab(layout.total), plan.tokens, used)
+    assert len(projected) == 1
+    names = ("layers.0.layer_output.lens_tokens", "layers.0.layer_output.lens_probs")
+    found = used.store.collect([(f"p-{key}", 1000, dict.fromkeys(names)) for key in chosen])
+    for key in chosen:
+        rows = slab(layout.total)[layout[key].rows, :2].unsqueeze(0)
+        torch.testing.assert_close(found[f"p-{key}"][names[0]], rows.long())
+        torch.testing.assert_close(found[f"p-{key}"][names[1]], rows * 0.5)
 
 
 def test_rowwise_must_be_a_bool() -> None:

@@ -39,6 +39,10 @@ keys_shift = torch.randn(2, 1, 32) * 0.5    # per KV head: one KV head per rank 
 def halve_last_head(queries, ctx):
     queries[:, -1] *= 0.5                   # an in-place edit of a sharded value
 
+# Every prompt runs one program of saves and a lens: served together (the lens's logits are
+# gathered across ranks once for all the requests' rows).
+LENS = "layers.1.layer_output"
+
 EDITS = [
     [ops.Add("layers.0.attention_queries", queries_shift),
      ops.Add("layers.1.attention_keys", keys_shift)],
@@ -68,7 +72,8 @@ if __name__ == "__main__":
     catalogue = [loc for loc, why in llm.support().items() if why is None]
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
     tokens = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    saves = llm.generate(tokens, params, interventions=[ops.Save(loc) for loc in catalogue],
+    saves = llm.generate(tokens, params, interventions=[[ops.Save(loc) for loc in catalogue]
+                                                        + [ops.Lens(LENS, top_k=5)]] * len(tokens),
                          use_tqdm=False)
     edits = llm.generate(tokens, params, interventions=EDITS, use_tqdm=False)
     torch.save({"catalogue": catalogue, "forwards": llm.forwards(),
@@ -119,7 +124,12 @@ def test_every_value_equals_tp1(llm, tp2: dict) -> None:
     sharded = {"attention_queries", "attention_keys", "attention_values",
                "attention_head_outputs", "mlp_neurons"}
     assert sharded | {"logits", "next_token_probs"} <= {loc.rsplit(".", 1)[-1] for loc in catalogue}
-    ones = _run_tp1(llm, [ops.Save(loc) for loc in catalogue])
+    assert {"layers.1.layer_output.lens_tokens", "layers.1.layer_output.lens_probs"} <= set(
+        tp2["saved"][0])
+    namespace: dict = {}
+    exec(PROGRAMS, namespace)
+    ones = _run_tp1(llm, [[ops.Save(loc) for loc in catalogue]
+                          + [ops.Lens(namespace["LENS"], top_k=5)]] * len(PROMPTS))
     for prompt, (one, two) in enumerate(zip(ones, tp2["saved"], strict=True)):
         assert one.error is None
         assert set(two) == set(one.saved), f"prompt {prompt}: different values saved"

@@ -190,6 +190,7 @@ class Lens(RowOp):
 
     kind = "lens"
     edits = False
+    together = True
     #: What a lens at `location` leaves in the saves: `f"{location}.{suffix}"`.
     RESULTS: ClassVar[tuple[str, str]] = ("lens_tokens", "lens_probs")
 

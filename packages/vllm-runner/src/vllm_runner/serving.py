@@ -18,7 +18,7 @@ from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import refuse_non_finite
-from vllm_runner.ops import Call, CallContext, EditOp, Op
+from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op
 from vllm_runner.store import SaveStore
 
 
@@ -188,6 +188,8 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
         return _edit_together(op, value, raw, members, layout, token_axis, store)
     if isinstance(op, Call):
         return _call_together(op, value, raw, members, layout, token_axis, services)
+    if isinstance(op, Lens):  # every rank computes it: the logits are gathered
+        return _lens_together(op, value, raw, members, layout, token_axis, services)
     return not services.keeps_saves or _save_together(value, raw, members, layout, token_axis,
                                                       store)
 
@@ -204,6 +206,33 @@ def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
         return False
     for (run, owners), whole in zip(plan, reads, strict=True):
         store.save_rows(value.location, token_axis, owners, run.pieces(whole, token_axis))
+    return True
+
+
+def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+                   token_axis: int, services: Services) -> bool:
+    """One lens (the final norm, the unembedding, the top-k) over the rows of every planned
+    read, joined, instead of one per request (each a pass over the unembedding's weights); its
+    tokens and probabilities cut into the members' rows and kept for each."""
+    step = members[0].step
+    plan = _reading_plan(members, layout)
+    try:
+        reads = [value.read(narrow(raw, run.span, layout), step) for run, _ in plan]
+        joined = reads[0] if len(reads) == 1 else torch.cat(reads, token_axis)
+        probabilities, tokens = services.lens(joined, op.top_k)
+    except Exception:
+        return False
+    if not services.keeps_saves:
+        return True
+    store = services.store
+    at = 0
+    for run, owners in plan:
+        rows = len(run.span)
+        for name, result in zip(op.saved_names(value.location), (tokens, probabilities),
+                                strict=True):
+            whole = result[at:at + rows].unsqueeze(0)
+            store.save_rows(name, 1, owners, run.pieces(whole, 1))
+        at += rows
     return True
 
 
