@@ -26,6 +26,7 @@ def replace_with_half(value, ctx):
 
 
 def note_context(value, ctx):
+    assert ctx.prompt_lengths.tolist() == [ctx.prompt_length] * value.shape[1]
     CONTEXTS.append((ctx.location, ctx.positions.tolist(), ctx.prompt_length, value.shape[1]))
 
 
@@ -143,3 +144,25 @@ def test_a_rowwise_call_that_breaks_one_request_fails_only_that_one(llm) -> None
         assert got.error is None
         assert list(got.outputs[0].token_ids) == list(expected.outputs[0].token_ids)
         assert same_logprobs(got, expected)
+
+
+def halve_generated_rows(value, ctx):
+    value[:, (ctx.positions >= ctx.prompt_lengths).to(value.device)] *= 0.5
+
+
+def test_a_rowwise_call_knows_each_row_s_prompt_length(llm) -> None:
+    """Prompts of three lengths joined in one rowwise call: `ctx.prompt_lengths` tells each
+    row's prompt from its generated tokens, as `Scale(..., steps="decode")` does per request."""
+    params = SamplingParams(max_tokens=GENERATED, temperature=0.0, logprobs=0)
+    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS]
+    rowwise = llm.generate(prompts, params, use_tqdm=False, interventions=[
+        [ops.Call(LOCATION, halve_generated_rows, rowwise=True)]] * len(PROMPTS))
+    scaled = llm.generate(prompts, params, use_tqdm=False, interventions=[
+        [ops.Scale(LOCATION, 0.5, steps="decode")]] * len(PROMPTS))
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    for got, expected, untouched in zip(rowwise, scaled, plain, strict=True):
+        assert got.error is None
+        assert list(got.outputs[0].token_ids) == list(expected.outputs[0].token_ids)
+        assert same_logprobs(got, expected)
+    assert any(not same_logprobs(edited, untouched) for edited, untouched in zip(
+        scaled, plain, strict=True)), "the edit changed nothing: the comparison proves nothing"

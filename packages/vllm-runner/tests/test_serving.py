@@ -151,10 +151,12 @@ class RowwiseCalls:
                  returns: bool = False) -> None:
         self.poisoned, self.raises, self.returns = poisoned, raises, returns
         self.calls: list[tuple[int, list[int], int | None]] = []
+        self.prompt_lengths: list[list[int]] = []
 
     def __call__(self, value: torch.Tensor, context: ops.CallContext) -> torch.Tensor | None:
         positions = context.positions.tolist()
         self.calls.append((value.shape[1], positions, context.prompt_length))
+        self.prompt_lengths.append(context.prompt_lengths.tolist())
         if self.raises and len(positions) > 2:
             raise RuntimeError("fails on more than two rows")
         edited = value * 2 if self.returns else value.mul_(2)
@@ -174,20 +176,23 @@ def test_a_rowwise_call_runs_once_for_its_group_and_equals_each_alone(counts, da
     chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
     returns = data.draw(st.booleans())
     function = RowwiseCalls(returns=returns)
-    requests = [request for request in
-                scheduled(layout, [ops.Call("layers.0.layer_output", function, rowwise=True)])
+    requests = [request._replace(prompt_length=60 + index) for index, request in
+                enumerate(scheduled(layout, [ops.Call("layers.0.layer_output", function,
+                                                      rowwise=True)]))
                 if request.request_id in chosen]
     plan = plan_step(layout, requests, locations_of)
     engine_rows = slab(layout.total)
     serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
-    expected, positions = slab(layout.total), []
-    for key in layout.keys:  # slab order
+    expected, positions, prompt_lengths = slab(layout.total), [], []
+    for index, key in enumerate(layout.keys):  # slab order
         span = layout[key]
         if key in chosen:
             expected[span.start:span.stop] *= 2
             positions += span.positions().tolist()
+            prompt_lengths += [60 + index] * len(span)
     torch.testing.assert_close(engine_rows, expected, rtol=0, atol=0)
     assert function.calls == [(len(positions), positions, None)]
+    assert function.prompt_lengths == [prompt_lengths]
 
 
 def test_a_group_acting_at_every_layer_serves_each_location_with_its_own_rows() -> None:

@@ -455,12 +455,15 @@ class Skip(Op):
 @dataclass(frozen=True)
 class CallContext:
     """What a `Call` function learns about the rows it is given: `location`, `positions` (the
-    absolute position of each row in its own request) and `prompt_length` (`None` for a
-    `rowwise` call, whose rows may come from several requests)."""
+    absolute position of each row in its own request), `prompt_lengths` (the prompt length of
+    each row's request) and `prompt_length` (`None` for a `rowwise` call, whose rows may come
+    from several requests)."""
 
     location: str
     _rows: Span | Selection = field(repr=False)
     prompt_length: int | None
+    #: The prompt length of each request of `_rows` (one for a span), in slab order.
+    _prompt_lengths: tuple[int, ...] = field(default=(), repr=False)
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -468,6 +471,16 @@ class CallContext:
         functions never ask, and a `Call` runs for every request at every step."""
         rows = self._rows
         return rows.positions() if isinstance(rows, Span) else rows.positions
+
+    @cached_property
+    def prompt_lengths(self) -> torch.Tensor:
+        """The prompt length of each row's request (int64, one per row, made when first asked
+        for): `positions >= prompt_lengths` marks the rows of generated tokens, in a `rowwise`
+        call too."""
+        rows = self._rows
+        counts = (len(rows),) if isinstance(rows, Span) else rows.counts
+        return torch.repeat_interleave(torch.tensor(self._prompt_lengths, dtype=torch.long),
+                                       torch.tensor(counts, dtype=torch.long))
 
 
 @dataclass(frozen=True)
@@ -486,7 +499,8 @@ class Call(Op):
       engine's later in-place kernels. Values computed from the rows (a fused stream's two
       halves, patterns, probabilities) are lent as a lease instead.
 
-    `ctx` has `location`, `positions` (absolute position of each row) and `prompt_length`. The
+    `ctx` has `location`, `positions` (absolute position of each row), `prompt_length` and
+    `prompt_lengths` (the prompt length again, one per row). The
     function is cloudpickled, so it runs in the worker process(es) — on every rank under tensor
     parallelism, with the whole value — and what it keeps lives there (save values with `Save`).
 
@@ -496,8 +510,8 @@ class Call(Op):
     the requests running this same program are handed to it together: one call a step for all
     their rows at the location (a value of row-by-row values only: the residual stream,
     attention and MLP outputs, queries, keys, values, neurons), instead of one call per
-    request; `ctx.positions` gives each row's position in its own request and
-    `ctx.prompt_length` is `None`. The rows are lent as a private copy (a lease, or a copy in
+    request; `ctx.positions` and `ctx.prompt_lengths` give each row's position and its
+    request's prompt length, and `ctx.prompt_length` is `None`. The rows are lent as a private copy (a lease, or a copy in
     `"copy"` mode). Where that call raises or leaves a row not finite, the requests are run
     again one by one, so that only those at fault fail (the function then runs twice on their
     rows). Values that are not row by row (attention patterns) are always served per request.
@@ -545,8 +559,9 @@ class Call(Op):
             with torch.inference_mode(False):
                 value = visit.read()
             lent = lend(value, "copy" if mode == "copy" else "lease", owned=True)
+        prompt_length = visit.want.step.prompt_length
         context = CallContext(visit.location, visit.want.span,
-                              None if self.rowwise else visit.want.step.prompt_length)
+                              None if self.rowwise else prompt_length, (prompt_length,))
         result = self.run_user_code(lent.value, context)
         edited = lent.written(result)
         if edited is None:

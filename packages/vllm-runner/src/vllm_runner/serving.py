@@ -298,7 +298,9 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
             reads = [value.read(rows, step) for rows in engine_rows]
             joined = reads[0] if len(reads) == 1 else torch.cat(reads, token_axis)
         lent = lend(joined, "copy" if mode == "copy" else "lease", owned=True)
-        context = CallContext(value.location, selection, None)
+        lengths = {want.request_id: want.step.prompt_length for want in members}
+        context = CallContext(value.location, selection, None,
+                              tuple(lengths[str(key)] for key in selection.keys))
         edited = lent.written(op.run_user_code(lent.value, context))
         if edited is None:
             return True  # untouched: nothing is written
