@@ -160,7 +160,7 @@ def test_a_rowwise_call_knows_each_row_s_prompt_length(llm) -> None:
     scaled = llm.generate(prompts, params, use_tqdm=False, interventions=[
         [ops.Scale(LOCATION, 0.5, steps="decode")]] * len(PROMPTS))
     plain = llm.generate(prompts, params, use_tqdm=False)
-    for got, expected, untouched in zip(rowwise, scaled, plain, strict=True):
+    for got, expected in zip(rowwise, scaled, strict=True):
         assert got.error is None
         assert list(got.outputs[0].token_ids) == list(expected.outputs[0].token_ids)
         assert same_logprobs(got, expected)

@@ -511,10 +511,11 @@ class Call(Op):
     their rows at the location (a value of row-by-row values only: the residual stream,
     attention and MLP outputs, queries, keys, values, neurons), instead of one call per
     request; `ctx.positions` and `ctx.prompt_lengths` give each row's position and its
-    request's prompt length, and `ctx.prompt_length` is `None`. The rows are lent as a private copy (a lease, or a copy in
-    `"copy"` mode). Where that call raises or leaves a row not finite, the requests are run
-    again one by one, so that only those at fault fail (the function then runs twice on their
-    rows). Values that are not row by row (attention patterns) are always served per request.
+    request's prompt length, and `ctx.prompt_length` is `None`. The rows are lent as a private
+    copy (a lease, or a copy in `"copy"` mode). Where that call raises or leaves a row not
+    finite, the requests are run again one by one, so that only those at fault fail (the
+    function then runs twice on their rows). Values that are not row by row (attention
+    patterns) are always served per request.
     """
 
     kind = "call"

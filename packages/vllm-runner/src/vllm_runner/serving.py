@@ -43,18 +43,26 @@ class OpGroup(list[Want]):
     every layer visits as many locations as there are layers, with the same rows): `reads`, how
     a save reads them all, and `selection`, their rows in the step."""
 
-    __slots__ = ("reads", "selection")
+    __slots__ = ("prompt_lengths", "reads", "selection")
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[PlannedRead] | None = None
         self.selection: Selection | None = None
+        self.prompt_lengths: tuple[int, ...] | None = None
 
     def selected(self, layout: StepLayout) -> Selection:
         """The members' rows in `layout` (the step's), made at the first visit."""
         if self.selection is None:
             self.selection = layout.select([want.request_id for want in self])
         return self.selection
+
+    def selected_prompt_lengths(self, layout: StepLayout) -> tuple[int, ...]:
+        """Each selected member's prompt length, in the selection's (slab) order."""
+        if self.prompt_lengths is None:
+            lengths = {want.request_id: want.step.prompt_length for want in self}
+            self.prompt_lengths = tuple(lengths[str(key)] for key in self.selected(layout).keys)
+        return self.prompt_lengths
 
 
 @dataclass(frozen=True)
@@ -298,9 +306,8 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
             reads = [value.read(rows, step) for rows in engine_rows]
             joined = reads[0] if len(reads) == 1 else torch.cat(reads, token_axis)
         lent = lend(joined, "copy" if mode == "copy" else "lease", owned=True)
-        lengths = {want.request_id: want.step.prompt_length for want in members}
         context = CallContext(value.location, selection, None,
-                              tuple(lengths[str(key)] for key in selection.keys))
+                              members.selected_prompt_lengths(layout))
         edited = lent.written(op.run_user_code(lent.value, context))
         if edited is None:
             return True  # untouched: nothing is written
