@@ -216,6 +216,8 @@ def test_a_call_takes_its_function_in_base64_and_rowwise_as_a_boolean() -> None:
     assert error.field == "interventions[0]" and "rowwise must be True or False" in str(error)
     error = refused([{**sent, "fn": "not base64!"}], allow_code=True)
     assert error.field == "interventions[0].fn" and "cloudpickle.dumps" in str(error)
+    error = refused([{**sent, "fn": base64.b64encode(b"no pickle").decode()}], allow_code=True)
+    assert error.field == "interventions[0]" and "not a cloudpickled function" in str(error)
 
 
 def _doubled(value, context):

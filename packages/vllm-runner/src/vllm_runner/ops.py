@@ -546,8 +546,14 @@ class Call(Op):
 
     @classmethod
     def fields_from_data(cls, fields: dict[str, Any]) -> dict[str, Any]:
-        """The function unpickled (in the worker: each request gets its own)."""
-        return {**fields, "fn": pickle.loads(fields["fn"])}
+        """The function unpickled (in the worker: each request gets its own unless the call is
+        `rowwise`); bytes that are no function are refused naming the field."""
+        try:
+            fn = pickle.loads(fields["fn"])
+        except Exception as error:  # unpickling raises whatever the bytes make it raise
+            raise ValueError(f"call: fn is not a cloudpickled function ({type(error).__name__}: "
+                             f"{error}); send base64.b64encode(cloudpickle.dumps(fn))") from None
+        return {**fields, "fn": fn}
 
     def serve(self, visit: Visit) -> None:
         """Lend the value to the function in the op's read mode and write back what changed."""
