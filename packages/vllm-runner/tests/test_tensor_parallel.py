@@ -51,6 +51,8 @@ EDITS = [
     [ops.Set("layers.0.attention_values", torch.zeros(1, 2, 1, 32), positions=(1,)),
      ops.Call("layers.2.attention_queries", halve_last_head)],
 ]
+# One rowwise call on every prompt: their rows of a sharded value joined in one call per step.
+ROWWISE = [[ops.Call("layers.2.attention_queries", halve_last_head, rowwise=True)]] * 3
 """
 
 SCRIPT = """
@@ -76,11 +78,15 @@ if __name__ == "__main__":
                                                         + [ops.Lens(LENS, top_k=5)]] * len(tokens),
                          use_tqdm=False)
     edits = llm.generate(tokens, params, interventions=EDITS, use_tqdm=False)
+    rowwise = llm.generate(tokens, params, interventions=ROWWISE, use_tqdm=False)
+    def completions(outputs):
+        return [(list(o.outputs[0].token_ids),
+                 [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs])
+                for o in outputs]
     torch.save({"catalogue": catalogue, "forwards": llm.forwards(),
-                "saved": [o.saved for o in saves], "errors": [o.error for o in saves + edits],
-                "edits": [(list(o.outputs[0].token_ids),
-                           [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs])
-                          for o in edits]}, out)
+                "saved": [o.saved for o in saves],
+                "errors": [o.error for o in saves + edits + rowwise],
+                "edits": completions(edits), "rowwise": completions(rowwise)}, out)
     print("RESULT ok")
 """
 
@@ -143,12 +149,14 @@ def test_every_value_equals_tp1(llm, tp2: dict) -> None:
                                        f"{where}: {m}")
 
 
-def test_edits_give_tp1_tokens_and_logprobs(llm, tp2: dict) -> None:
+@pytest.mark.parametrize("programs", ["EDITS", "ROWWISE"])
+def test_edits_give_tp1_tokens_and_logprobs(llm, tp2: dict, programs: str) -> None:
     namespace: dict = {}
     exec(PROGRAMS, namespace)
-    ones = _run_tp1(llm, namespace["EDITS"])
+    ones = _run_tp1(llm, namespace[programs])
     plain = _run_tp1(llm, None)
-    for prompt, (one, (tokens, logprobs)) in enumerate(zip(ones, tp2["edits"], strict=True)):
+    completions = tp2["edits" if programs == "EDITS" else "rowwise"]
+    for prompt, (one, (tokens, logprobs)) in enumerate(zip(ones, completions, strict=True)):
         assert one.error is None
         assert list(one.outputs[0].token_ids) == tokens, f"prompt {prompt}: tokens differ"
         for step, (expected, got) in enumerate(zip(one.outputs[0].logprobs, logprobs,
