@@ -7,8 +7,8 @@ random Llama (`random_models`' `thin-30`: hidden 64, 30 layers), so the forward 
 little and the difference between generating with and without a `Save` at every layer is
 mostly our Python:
 
-    python benchmarks/tap_cost.py [--requests 64] [--op save|call|call-read|call-rowwise|lens]
-                                  [--profile]
+    python benchmarks/tap_cost.py [--requests 64] [--profile] [--shape thin-30]
+        [--op save|call|call-read|call-rowwise|lens|steer-decode]
 
 (in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
 benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost per tap call
@@ -18,7 +18,8 @@ whose function returns an edited copy (`value * 1.0`: read, edit, check, write b
 request), `--op call-read` one that only reads (nothing written): issue [K]'s `call` arm, whose
 cost is this per-request Python at every step. `--op call-rowwise` is `--op call` with
 `rowwise=True`: one call a step for every request; `--op lens` a logit lens (top 5) at every
-layer. Results: docs/cuda-graphs-design.md.
+layer; `--op steer-decode` an `Add` on generated tokens only (`steps="decode"`). Results:
+docs/cuda-graphs-design.md.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ def only_read(value: Any, context: Any) -> None:
     value.sum()
 
 
-OPS = {"save": lambda ops: ops.Save("layers.*.layer_output"),
-       "call": lambda ops: ops.Call("layers.*.layer_output", edited_copy),
-       "call-read": lambda ops: ops.Call("layers.*.layer_output", only_read),
-       "call-rowwise": lambda ops: ops.Call("layers.*.layer_output", edited_copy, rowwise=True),
-       "lens": lambda ops: ops.Lens("layers.*.layer_output", top_k=5)}
+OPS = {"save": lambda ops, hidden: ops.Save("layers.*.layer_output"),
+       "call": lambda ops, hidden: ops.Call("layers.*.layer_output", edited_copy),
+       "call-read": lambda ops, hidden: ops.Call("layers.*.layer_output", only_read),
+       "call-rowwise": lambda ops, hidden: ops.Call("layers.*.layer_output", edited_copy,
+                                                    rowwise=True),
+       "lens": lambda ops, hidden: ops.Lens("layers.*.layer_output", top_k=5),
+       "steer-decode": lambda ops, hidden: ops.Add("layers.*.layer_output", hidden, 0.1,
+                                                   steps="decode")}
 
 
 def main() -> None:
@@ -76,7 +80,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=arguments.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 250 + 1 for j in range(24)])
                for i in range(arguments.requests)]
-    saving = [[OPS[arguments.op](ops)]] * arguments.requests
+    vector = torch.ones(SHAPES[arguments.shape]["hidden_size"])
+    saving = [[OPS[arguments.op](ops, vector)]] * arguments.requests
 
     def timed(programs: Any) -> tuple[float, int]:
         before = sum(llm.forwards().values())

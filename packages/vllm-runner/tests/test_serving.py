@@ -101,6 +101,37 @@ def test_requests_served_together_get_what_each_would_alone(counts, data) -> Non
                                    expected[span.start:span.stop].unsqueeze(0))
 
 
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 12)), min_size=2, max_size=6),
+       st.lists(st.integers(-8, 14), max_size=4).map(lambda found: tuple(found) or None),
+       st.sampled_from(["all", "prefill", "decode"]), st.integers(4, 9), st.data())
+def test_filtered_edits_served_together_equal_each_request_served_alone(
+        requests, positions, steps, prompt_length, data) -> None:
+    """An `Add` with `positions` and `steps` on a group (one edit per run, the rows it does not
+    keep written back as read) equals the same op served request by request (`serve_one`, its
+    own keep per position), whatever the rows, first positions and filters."""
+    layout = layout_of([count for count, _ in requests], [first for _, first in requests])
+    chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
+    op = ops.Add("layers.0.layer_output", torch.tensor([1.0, -2.0, 0.5, 3.0]),
+                 positions=positions, steps=steps)
+    wanted = [request._replace(prompt_length=prompt_length + index) for index, request in
+              enumerate(scheduled(layout, [op])) if request.request_id in chosen]
+    plan = plan_step(layout, wanted, locations_of)
+    together, alone = slab(layout.total), slab(layout.total)
+    value = residual_value(Toy())
+    served = []
+    edit_together = serving._edit_together
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serving, "_edit_together",
+                      lambda *args: served.append(edit_together(*args)) or served[-1])
+        serving.serve(value, together, plan.tokens, services())
+    assert served == [True]  # together, not one by one
+    (group,) = plan.tokens.wants["layers.0.layer_output"]
+    for want in group:
+        serving.serve_one(want, value, alone, layout, 1, services())
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+
+
 def test_positions_limit_an_edit_to_the_rows_it_keeps() -> None:
     layout = layout_of([3, 3], firsts=[0, 5])
     program = [ops.Scale("layers.0.layer_output", 0.0, positions=(-1,))]  # prompt_length 6

@@ -141,6 +141,24 @@ class RowOp(Op):
             return True
         return keep
 
+    def kept_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor
+                  ) -> torch.Tensor | None:
+        """`keeps` for many rows at once: whether the op acts at each row, given each row's
+        position and its request's prompt length (int64, one per row); `None` when it acts at
+        every one."""
+        if self.positions is None and self.steps == "all":
+            return None
+        keep = torch.ones_like(positions, dtype=torch.bool)
+        if self.positions is not None:
+            wanted = torch.tensor(self.positions, dtype=torch.long).unsqueeze(0)
+            absolute = torch.where(wanted < 0, wanted + prompt_lengths.unsqueeze(1), wanted)
+            keep &= (absolute == positions.unsqueeze(1)).any(1)
+        if self.steps == "prefill":
+            keep &= positions < prompt_lengths
+        elif self.steps == "decode":
+            keep &= positions >= prompt_lengths
+        return keep
+
     def before_the_prompt(self, prompt_length: int) -> str | None:
         """Why the op can never run as written on a prompt of `prompt_length` tokens (a
         negative position counted past the prompt's start), or `None`."""
@@ -229,6 +247,11 @@ class EditOp(RowOp):
     """An op that computes a new value from the value as read, on the rows it keeps."""
 
     together = True
+
+    def shares_rows(self) -> bool:
+        """Edits are served together with `positions` and `steps` too: the rows they do not
+        keep are written back as read (`kept_rows`)."""
+        return True
 
     def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
         """The value after the edit, on every row; `layout` names the value's axes."""

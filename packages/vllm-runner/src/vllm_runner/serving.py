@@ -258,18 +258,33 @@ def _reading_plan(members: OpGroup, layout: StepLayout) -> list[PlannedRead]:
 
 def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
                    token_axis: int, store: SaveStore) -> bool:
-    """One read, edit and write per run of adjacent rows; nothing is written unless every run
-    was edited."""
+    """One read, edit and write per run of adjacent rows (rows the op does not keep, by its
+    `positions` and `steps`, written back as read; a run it keeps no row of is left alone);
+    nothing is written unless every run was edited."""
     step = members[0].step
+    selection = members.selected(layout)
+    kept = None
+    if op.positions is not None or op.steps != "all":
+        lengths = torch.tensor(members.selected_prompt_lengths(layout), dtype=torch.long)
+        kept = op.kept_rows(selection.positions, torch.repeat_interleave(
+            lengths, torch.tensor(selection.counts, dtype=torch.long)))
     writes = []
+    at = 0
     try:
-        for start, stop in members.selected(layout).runs:
+        for start, stop in selection.runs:
             run = Span(start, stop)
+            keep = None if kept is None else kept[at:at + len(run)]
+            at += len(run)
+            if keep is not None and not keep.any():
+                continue
             rows = narrow(raw, run, layout)
             current = value.read(rows, step)
             if not op.same_on_every_row(current, token_axis):
                 return False
             edited = op.edited(current, value.eproperty.layout)
+            if keep is not None and not keep.all():
+                shape = [-1 if axis == token_axis else 1 for axis in range(current.dim())]
+                edited = torch.where(keep.to(current.device).view(shape), edited, current)
             refuse_non_finite(edited, f"the {op.kind}", value.location)
             writes.append((run, value.write(rows, edited, step)))
     except Exception:
