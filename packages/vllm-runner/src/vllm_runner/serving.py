@@ -178,13 +178,14 @@ def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis
 
 def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
                    token_axis: int | None, services: Services) -> bool:
-    """Serve a group of requests running the same save or edit with one read (and one write)
-    per run of adjacent rows instead of one per request; `False` leaves them to `serve_one`,
-    which also gives each request its own error if something fails.
+    """Serve a group of requests running the same op with one read (and one write) per run of
+    adjacent rows instead of one per request; `False` leaves them to `serve_one`, which also
+    gives each request its own error if something fails.
 
     Per-request reads cost more than the copies themselves once a step holds dozens of requests
     (on a GPU the step is a few milliseconds). Only for values read row by row
-    (`Codec.rowwise`) and ops that treat every row alike (no `positions` or `steps`)."""
+    (`Codec.rowwise`) and ops that say they can be (`Op.shares_rows`): saves and lenses with no
+    `positions` or `steps`, edits with or without them, `rowwise` calls."""
     op = members[0].op
     codec = value.eproperty.codec
     store = services.store
