@@ -108,8 +108,10 @@ def test_requests_served_together_get_what_each_would_alone(counts, data) -> Non
 def test_filtered_edits_served_together_equal_each_request_served_alone(
         requests, positions, steps, prompt_length, data) -> None:
     """An `Add` with `positions` and `steps` on a group (one edit per run, the rows it does not
-    keep written back as read) equals the same op served request by request (`serve_one`, its
-    own keep per position), whatever the rows, first positions and filters."""
+    keep written back as read) equals the same op served request by request (`serve_one`),
+    whatever the rows, first positions and filters; and the rows both keep (`kept_rows`) are
+    those the op's own `keeps(prompt_length)` keeps, position by position (what collection and
+    the graph taps use)."""
     layout = layout_of([count for count, _ in requests], [first for _, first in requests])
     chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
     op = ops.Add("layers.0.layer_output", torch.tensor([1.0, -2.0, 0.5, 3.0]),
@@ -130,6 +132,13 @@ def test_filtered_edits_served_together_equal_each_request_served_alone(
     for want in group:
         serving.serve_one(want, value, alone, layout, 1, services())
     torch.testing.assert_close(together, alone, rtol=0, atol=0)
+    for want in group:
+        positions = want.span.positions()
+        length = want.step.prompt_length
+        keep = op.keeps(length)
+        assert keep is not None or not op.filtered
+        expected = [keep is None or keep(position) for position in positions.tolist()]
+        assert op.kept_rows(positions, torch.full_like(positions, length)).tolist() == expected
 
 
 def test_positions_limit_an_edit_to_the_rows_it_keeps() -> None:

@@ -122,12 +122,17 @@ class RowOp(Op):
     def __post_init__(self) -> None:
         check_where(self)
 
+    @property
+    def filtered(self) -> bool:
+        """Whether `positions` or `steps` limit the rows the op acts at."""
+        return self.positions is not None or self.steps != "all"
+
     def keeps(self, prompt_length: int) -> KeepPosition | None:
         """`position -> bool` for `positions` (negative: from the prompt's end) and `steps`;
         `None` when the op keeps every position."""
-        positions, steps = self.positions, self.steps
-        if positions is None and steps == "all":
+        if not self.filtered:
             return None
+        positions, steps = self.positions, self.steps
         absolute = None if positions is None else {p + prompt_length if p < 0 else p
                                                    for p in positions}
 
@@ -141,13 +146,9 @@ class RowOp(Op):
             return True
         return keep
 
-    def kept_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor
-                  ) -> torch.Tensor | None:
+    def kept_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
         """`keeps` for many rows at once: whether the op acts at each row, given each row's
-        position and its request's prompt length (int64, one per row); `None` when it acts at
-        every one."""
-        if self.positions is None and self.steps == "all":
-            return None
+        position and its request's prompt length (int64, one per row)."""
         keep = torch.ones_like(positions, dtype=torch.bool)
         if self.positions is not None:
             wanted = torch.tensor(self.positions, dtype=torch.long).unsqueeze(0)
@@ -269,15 +270,24 @@ class EditOp(RowOp):
         request before anything is written."""
         current = visit.read()
         edited = self.edited(current, visit.value.eproperty.layout)
-        keep = self.keeps(visit.want.step.prompt_length)
         axis = visit.token_axis
-        if axis is not None and keep is not None:
-            first = visit.want.span.first_position
-            for offset in range(current.shape[axis]):
-                if not keep(first + offset):
-                    edited.select(axis, offset).copy_(current.select(axis, offset))
+        if axis is not None and self.filtered:
+            positions = visit.want.span.first_position + torch.arange(current.shape[axis])
+            keep = self.kept_rows(positions, torch.full_like(positions,
+                                                             visit.want.step.prompt_length))
+            edited = with_rows_kept(edited, current, keep, axis)
         refuse_non_finite(edited, f"the {self.kind}", visit.location)
         visit.write(edited)
+
+
+def with_rows_kept(edited: torch.Tensor, current: torch.Tensor, keep: torch.Tensor,
+                   token_axis: int) -> torch.Tensor:
+    """`edited` on the rows `keep` marks (one bool per row along `token_axis`), `current` (the
+    value as read) on the others: what an edit with `positions` or `steps` writes back."""
+    if bool(keep.all()):
+        return edited
+    shape = [-1 if axis == token_axis else 1 for axis in range(current.dim())]
+    return torch.where(keep.to(current.device).view(shape), edited, current)
 
 
 def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...],
@@ -500,10 +510,9 @@ class CallContext:
         """The prompt length of each row's request (int64, one per row, made when first asked
         for): `positions >= prompt_lengths` marks the rows of generated tokens, in a `rowwise`
         call too."""
-        rows = self._rows
-        counts = (len(rows),) if isinstance(rows, Span) else rows.counts
-        return torch.repeat_interleave(torch.tensor(self._prompt_lengths, dtype=torch.long),
-                                       torch.tensor(counts, dtype=torch.long))
+        rows, lengths = self._rows, torch.tensor(self._prompt_lengths, dtype=torch.long)
+        return lengths.expand(len(rows)).clone() if isinstance(rows, Span) else \
+            rows.per_row(lengths)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import refuse_non_finite
-from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op
+from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, with_rows_kept
 from vllm_runner.store import SaveStore
 
 
@@ -265,10 +265,9 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
     step = members[0].step
     selection = members.selected(layout)
     kept = None
-    if op.positions is not None or op.steps != "all":
-        lengths = torch.tensor(members.selected_prompt_lengths(layout), dtype=torch.long)
-        kept = op.kept_rows(selection.positions, torch.repeat_interleave(
-            lengths, torch.tensor(selection.counts, dtype=torch.long)))
+    if op.filtered:
+        kept = op.kept_rows(selection.positions, selection.per_row(
+            torch.tensor(members.selected_prompt_lengths(layout), dtype=torch.long)))
     writes = []
     at = 0
     try:
@@ -283,9 +282,8 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
             if not op.same_on_every_row(current, token_axis):
                 return False
             edited = op.edited(current, value.eproperty.layout)
-            if keep is not None and not keep.all():
-                shape = [-1 if axis == token_axis else 1 for axis in range(current.dim())]
-                edited = torch.where(keep.to(current.device).view(shape), edited, current)
+            if keep is not None:
+                edited = with_rows_kept(edited, current, keep, token_axis)
             refuse_non_finite(edited, f"the {op.kind}", value.location)
             writes.append((run, value.write(rows, edited, step)))
     except Exception:
