@@ -41,7 +41,9 @@ per saved byte, apart from the steps' cost.
 
 `--profile PATH` then runs the default engine and each arm once more under cProfile and once
 under torch's profiler (kernels by device time, the device's busy share of the wall time): for
-telling host work from device work when an arm is slower than another. With `--repeats 0` only
+telling host work from device work when an arm is slower than another; `--profilers timeline`
+instead records Python stacks and says, thread by thread, where the CUDA-graph replay's and the
+step's wall time goes (`timeline.py`). With `--repeats 0` only
 our engines start, and the arms are profiled, not timed (one engine start instead of two).
 """
 
@@ -293,8 +295,14 @@ def main() -> None:
     parser.add_argument("--profile", default=None, metavar="PATH",
                         help="after the timed repeats, run the default engine and each arm once "
                              "under cProfile and once under torch's profiler; reports to PATH")
+    parser.add_argument("--profilers", default="python,device",
+                        help=f"which of {', '.join(PROFILERS)} `--profile` runs ('timeline': "
+                             "each thread's time in and around the CUDA-graph replay)")
     arguments = parser.parse_args()
     arms = arguments.arms.split(",")
+    if unknown_profilers := set(arguments.profilers.split(",")) - PROFILERS.keys():
+        raise SystemExit(f"unknown profilers {sorted(unknown_profilers)}; known: "
+                         f"{', '.join(PROFILERS)}")
     profile_only = arguments.repeats == 0
     if profile_only and not arguments.profile:
         raise SystemExit("--repeats 0 times nothing: give --profile PATH to profile the arms")
@@ -411,7 +419,7 @@ def profile_arms(arms: list[str], engine_of: Callable[[str], Engine], default: E
     sections = []
     for arm in ["default", *arms] if default is not None else arms:
         engine = default if arm == "default" and default is not None else engine_of(arm)
-        for profiler in PROFILERS:
+        for profiler in arguments.profilers.split(","):
             print(f"profiling {arm} ({profiler})", flush=True)
             report = engine.profile("a" if arm == "default" else arm, fresh_prompts(),
                                     arguments.concurrency, arguments.max_tokens, profiler)

@@ -1,5 +1,6 @@
 """Where a benchmark's time goes: one workload under cProfile (with the garbage collector's
-time) or under torch's profiler (kernels, host ops, the device's busy share). Shared by the
+time), under torch's profiler (kernels, host ops, the device's busy share), or under torch's
+profiler with Python stacks, summarized thread by thread (`timeline`). Shared by the
 benchmarks that profile their arms (`compiled_bench.py --profile`, `vllm_runner_bench.py
 --profile`, `step_host_work.py --profile`)."""
 
@@ -82,5 +83,39 @@ def device_profile(workload: Callable[[], object]) -> str:
                                      max_name_column_width=70))
 
 
+#: What `timeline_profile` looks into: the CUDA-graph replay and the step around it.
+TIMELINE_FOCUS = ("run_fullgraph", "execute_model", "sample_tokens")
+
+
+def timeline_profile(workload: Callable[[], object]) -> str:
+    """Where each call of `TIMELINE_FOCUS` spends its wall time, thread by thread (torch's
+    profiler with Python stacks, summarized by `timeline.summarize`): for time cProfile bills
+    to a call that neither its children nor its CUDA calls account for."""
+    import json
+    import os
+    import tempfile
+
+    import torch
+    from timeline import summarize
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, with_stack=True) as recorded:
+        workload()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    descriptor, path = tempfile.mkstemp(suffix=".json")
+    os.close(descriptor)
+    try:
+        recorded.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace)["traceEvents"]
+    finally:
+        os.unlink(path)
+    return summarize(events, TIMELINE_FOCUS)
+
+
 PROFILERS: dict[str, Callable[[Callable[[], object]], str]] = {
-    "python": python_profile, "device": device_profile}
+    "python": python_profile, "device": device_profile, "timeline": timeline_profile}

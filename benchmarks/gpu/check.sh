@@ -248,14 +248,15 @@ compiled() {
   # Issue [K]: ours compiled with taps against vLLM's real default (CUDA graphs, compiled), on
   # the runner vLLM picks (V2 unless VLLM_USE_V2_MODEL_RUNNER=0), each engine in its own process.
   # ARMS="a,b,d" runs only those arms (all by default; the eager engine only with its arm);
-  # PROFILE=1 then profiles the default engine and each arm once (cProfile, torch's profiler).
+  # PROFILE=1 then profiles the default engine and each arm once (cProfile, torch's profiler;
+  # PROFILERS=timeline instead: each thread's time in and around the CUDA-graph replay).
   # APART=1 runs every engine's core in a process of its own, as vLLM does by default.
   local shape=${1:-smollm2-135m} repeats=${2:-3} requests=${3:-256}
   local name="compiled-$shape"
   $python benchmarks/compiled_bench.py --shape "$shape" --dtype bfloat16 --repeats "$repeats" \
     --concurrency 64 --requests "$requests" --max-tokens 128 --out "$out/$name.md" ${ARMS:+--arms "$ARMS"} \
     ${APART:+--engine-core-apart} \
-    ${PROFILE:+--profile "$out/$name-profile.md"} \
+    ${PROFILE:+--profile "$out/$name-profile.md"} ${PROFILERS:+--profilers "$PROFILERS"} \
     > "$out/$name.log" 2>&1
   local status=$?
   grep -v WARNING "$out/$name.log" | grep -v "Capturing CUDA graphs" | tail -30
