@@ -125,10 +125,37 @@ def _overlap_with(windows: list[tuple[float, float]], start: float, end: float) 
     return spent
 
 
-def summarize(trace_events: Iterable[dict[str, Any]], focus: Sequence[str],
-              children_shown: int = 8, others_shown: int = 6) -> str:
+def _tree(calls: list[Interval], total: float, depth: int, shown_share: float,
+          indent: str = "  ") -> list[str]:
+    """`calls`' children merged by name, largest first, each with its own children below it
+    down to `depth` levels, those under `shown_share` of `total` left out; at each level the
+    time no child accounts for (the thread outside any recorded call: for a C function that
+    released the GIL, waiting to take it back is in there)."""
+    by_name: dict[str, list[Interval]] = defaultdict(list)
+    for call in calls:
+        for child in call.children:
+            by_name[_short(child.name)].append(child)
+    spent_by_name = {name: sum(child.duration for child in children)
+                     for name, children in by_name.items()}
+    lines = []
+    for name, spent in sorted(spent_by_name.items(), key=lambda item: -item[1]):
+        if spent < shown_share * total:
+            break
+        count = len(by_name[name])
+        lines.append(f"{indent}{spent / 1e3:9.1f} ms {spent / total:6.1%}  {name} ({count}x)")
+        if depth > 1:
+            lines += _tree(by_name[name], total, depth - 1, shown_share, indent + "    ")
+    own = sum(call.duration for call in calls) - sum(spent_by_name.values())
+    if own >= shown_share * total and by_name:
+        lines.append(f"{indent}{own / 1e3:9.1f} ms {own / total:6.1%}  (no child)")
+    return lines
+
+
+def summarize(trace_events: Iterable[dict[str, Any]], focus: Sequence[str], depth: int = 4,
+              shown_share: float = 0.02, others_shown: int = 6) -> str:
     """For each name of `focus` (a substring of an event's name): how many calls, their median
-    and total µs, their direct children by total time, the time no child accounts for, and the
+    and total µs, what they spent it in (`_tree`: children by name, `depth` levels deep, those
+    of at least `shown_share` of the total), the time no child accounts for, and the
     other threads' events by how much of their own time (not their children's) fell inside the
     calls. Then each thread's top-level time: which thread was busy, and with what."""
     events = intervals(trace_events)
@@ -143,15 +170,7 @@ def summarize(trace_events: Iterable[dict[str, Any]], focus: Sequence[str],
         total = sum(durations)
         lines.append(f"{_short(calls[0].name)}: {len(calls)} calls, median "
                      f"{statistics.median(durations):.0f} µs, total {total / 1e3:.1f} ms")
-        children: dict[str, float] = defaultdict(float)
-        for call in calls:
-            for child in call.children:
-                children[_short(child.name)] += child.duration
-        for name, spent in sorted(children.items(), key=lambda item: -item[1])[:children_shown]:
-            lines.append(f"  {spent / 1e3:9.1f} ms  {spent / total:6.1%}  {name}")
-        unaccounted = total - sum(children.values())
-        lines.append(f"  {unaccounted / 1e3:9.1f} ms  {unaccounted / total:6.1%}  (no child: "
-                     "the thread outside any recorded call)")
+        lines += _tree(calls, total, depth, shown_share)
         focus_tid = calls[0].tid
         windows = sorted((call.start, call.end) for call in calls)
         for tid, thread in sorted(threads.items()):
