@@ -50,3 +50,28 @@ def services() -> Services:
     def no_lens(rows: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("no lens in these tests")
     return Services(SaveStore(), no_lens)
+
+
+class OnADevice(torch.Tensor):
+    """A host tensor that says it is on a GPU, as do tensors computed from it (`torch.cat`,
+    slices); copies the store makes through its staging buffer are plain host tensors."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def on_a_device(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as an `OnADevice`: the store's device path, run on the host."""
+    return tensor.as_subclass(OnADevice)
+
+
+_TORCH_CAT = torch.cat
+
+
+def cat_on_one_device(tensors, *args, **kwargs):
+    """`torch.cat` that refuses tensors of two devices, as on a GPU machine (on the host, a cat
+    of a host tensor and an `OnADevice` one would succeed)."""
+    devices = {tensor.device for tensor in tensors}
+    assert len(devices) == 1, f"torch.cat of tensors on {devices}"
+    return _TORCH_CAT(tensors, *args, **kwargs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from parts import cat_on_one_device, on_a_device
 from vllm_runner import host_copies
 from vllm_runner import store as store_module
 from vllm_runner.save_arena import SaveArena
@@ -90,33 +91,9 @@ def test_landing_over_threads_copies_every_byte_once(sizes, threads, parallel_by
         assert torch.equal(destination, source)
 
 
-class _OnADevice(torch.Tensor):
-    """A host tensor that says it is on a GPU, as do tensors computed from it (`torch.cat`,
-    slices); copies the store makes through its staging buffer are plain host tensors."""
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", 0)
-
-
-def on_a_device(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.as_subclass(_OnADevice)
-
-
-_TORCH_CAT = torch.cat
-
-
-def _cat_on_one_device(tensors, *args, **kwargs):
-    """`torch.cat` that refuses tensors of two devices, as on a GPU machine (on the host, a cat
-    of a host tensor and an `_OnADevice` one would succeed)."""
-    devices = {tensor.device for tensor in tensors}
-    assert len(devices) == 1, f"torch.cat of tensors on {devices}"
-    return _TORCH_CAT(tensors, *args, **kwargs)
-
-
 @pytest.fixture
 def one_device_per_cat(monkeypatch):
-    monkeypatch.setattr(torch, "cat", _cat_on_one_device)
+    monkeypatch.setattr(torch, "cat", cat_on_one_device)
 
 
 def _fill(store: SaveStore, rows: torch.Tensor, pattern: torch.Tensor, later: bool) -> None:
@@ -244,7 +221,7 @@ def test_spilling_at_any_point_never_changes_what_is_collected(history) -> None:
     kept, spilled = SaveStore(), SaveStore()
     with pytest.MonkeyPatch.context() as patch:  # hypothesis: no function-scoped fixtures
         patch.setattr(host_copies, "STAGING_BYTES", 64)  # runs of at most 16 rows are joined
-        patch.setattr(torch, "cat", _cat_on_one_device)
+        patch.setattr(torch, "cat", cat_on_one_device)
         for step, (first, size, spill_after) in enumerate(chunks):
             rows = torch.arange(size, dtype=torch.float32).reshape(1, size, 1) + 100 * step
             kept.save("k", "a", first, rows, 1)
@@ -283,7 +260,7 @@ def test_rows_kept_in_an_arena_are_collected_as_if_saved_whole(history, through_
     everything = {"a": None, "b": None}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(host_copies, "STAGING_BYTES", 64)
-        patch.setattr(torch, "cat", _cat_on_one_device)
+        patch.setattr(torch, "cat", cat_on_one_device)
         for step, (first, size, spill_after) in enumerate(chunks):
             rows = torch.arange(size, dtype=torch.float32).reshape(1, size, 1) + 100 * step
             by_location = {"a": rows, "b": -rows}
@@ -430,7 +407,7 @@ def test_decode_steps_kept_as_a_run_are_collected_as_if_saved_whole(members, ste
     rows = [(program_id, index) for index, program_id in enumerate(live)]  # the plan's list
     position, on_device = 0, dict.fromkeys(live, 0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "cat", _cat_on_one_device)
+        patch.setattr(torch, "cat", cat_on_one_device)
         for step, (spill, dropped, jump) in enumerate(steps):
             position += 2 if jump else 1  # a jump: the run's next step is not this one
             for number, ring in enumerate(rings):

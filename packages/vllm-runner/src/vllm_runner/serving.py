@@ -19,6 +19,7 @@ from vllm_envoys.pattern import Pattern
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import refuse_non_finite
 from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, with_rows_kept
+from vllm_runner.recorded_saves import GroupRecord
 from vllm_runner.store import SaveStore
 
 
@@ -41,13 +42,15 @@ class OpGroup(list[Want]):
     """The wants of one op of one program this step (requests running the same program), and
     what is made at the group's first visit and kept for the rest of the step (a group acting at
     every layer visits as many locations as there are layers, with the same rows): `reads`, how
-    a save reads them all, and `selection`, their rows in the step."""
+    a save reads them all, `record`, where it keeps what it read (`recorded_saves`), and
+    `selection`, their rows in the step."""
 
-    __slots__ = ("prompt_lengths", "reads", "selection")
+    __slots__ = ("prompt_lengths", "reads", "record", "selection")
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: list[PlannedRead] | None = None
+        self.record: GroupRecord | None = None
         self.selection: Selection | None = None
         self.prompt_lengths: tuple[int, ...] | None = None
 
@@ -205,15 +208,21 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
 
 def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
                    token_axis: int, store: SaveStore) -> bool:
-    """One read per planned run of rows (`tokenspan.Selection.reads`), cut into the members'
-    rows and kept for each."""
+    """One read per planned run of rows (`tokenspan.Selection.reads`), kept in the group's record
+    of the step (`recorded_saves`: each member's rows are cut out when taken)."""
     step = members[0].step  # rowwise values serve every step alike
     plan = _reading_plan(members, layout)
     try:
         reads = [value.read(narrow(raw, run.span, layout), step) for run, _ in plan]
     except Exception:
         return False
-    for (run, owners), whole in zip(plan, reads, strict=True):
+    group = members.record
+    if group is None:
+        group = members.record = store.start_record(plan, token_axis, members[0].op)
+    if group.record.axis == token_axis:
+        store.record(group, value.location, reads)
+        return True
+    for (run, owners), whole in zip(plan, reads, strict=True):  # another axis than its record's
         store.save_rows(value.location, token_axis, owners, run.pieces(whole, token_axis))
     return True
 

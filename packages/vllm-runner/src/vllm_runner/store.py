@@ -4,20 +4,33 @@ Preemption recomputes a request from position 0 and chunked prefill spreads a pr
 so each chunk keeps its first absolute position; on collection the rows are put in position
 order (the last write of a position wins) and trimmed to what belongs to the final output.
 Chunks, not rows: splitting every step's rows into one tensor per position cost more than the
-copies themselves when every layer is saved.
+copies themselves when every layer is saved. A chunk's rows may also wait elsewhere until taken
+out: in the graph taps' arena (`save_arena.PendingRows`), or in the reads a group of requests
+saving together made in a step (`recorded_saves.RecordedRows`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from vllm_runner import host_copies
+from vllm_runner.recorded_saves import (
+    DeviceBytes,
+    GroupRecord,
+    RecordedRows,
+    StepRecord,
+    offsets_in,
+)
+from vllm_runner.recorded_saves import gather_together as gather_recorded
 from vllm_runner.save_arena import PendingRows, SaveArena, gather_together
 from vllm_runner.settings import FALLBACK_DEVICE_SAVES_MIB
+
+if TYPE_CHECKING:
+    from tokenspan import RunRead
 
 # Values without a token axis (the attention pattern) are stored whole under this position.
 WHOLE = -1
@@ -81,19 +94,22 @@ class SaveStore:
         self._staging: torch.Tensor | None = None  # made at the first move from a device
         self._device: torch.device | None = None  # where device saves are (one per worker)
         self._automatic_limit: int | None = None  # see `spill`
+        # program id -> id of an op -> the rows its group's step records hold for it now
+        self._recording: dict[str, dict[int, RecordedRows]] = {}
+        self._recorded = DeviceBytes()  # what live step records hold on a device
 
     @property
     def device_bytes(self) -> int:
         """Bytes of saves held on a device (a GPU) now: what `spill` compares to its limit."""
-        return sum(self._device_bytes.values())
+        return sum(self._device_bytes.values()) + self._recorded.held
 
     def held(self) -> dict[str, int]:
         """What is held for requests not collected yet: how many have saves or an error, and
         the bytes of their saves (on a device or the host). A server reports it so that an
         operator — or a test — sees memory come back after requests end or are abandoned."""
         requests = set(self._chunks) | set(self._errors)
-        size = sum(_bytes(chunk[1]) for locations in self._chunks.values()
-                   for chunks in locations.values() for chunk in chunks)
+        size = sum(_bytes(chunk[1], location) for locations in self._chunks.values()
+                   for location, chunks in locations.items() for chunk in chunks)
         return {"requests": len(requests), "bytes": size}
 
     def fail(self, program_id: str, message: str) -> None:
@@ -149,6 +165,55 @@ class SaveStore:
             chunks[program_id][location].append(Chunk((first_position, value)))
             if size:
                 device_bytes[program_id] += value.numel() * size
+
+    def start_record(self, reads: list[tuple[RunRead, list[tuple[str, int]]]], token_axis: int,
+                     op: object) -> GroupRecord:
+        """A step's record for a group of requests running `op` (one op of one program) whose
+        value is read once per planned read (`reads`: each read and its pieces' owners, program
+        id and first position); each owner's rows go on from its last step's where they follow
+        on (`recorded_saves`). Then `record` at each location the group visits."""
+        record = StepRecord(token_axis, self._recorded)
+        recording = self._recording
+        key = id(op)
+        members: list[tuple[str, RecordedRows]] = []
+        started = False
+        # Once a step per request (not per location): kept lean.
+        for index, (read, owners) in enumerate(reads):
+            offsets, sizes = offsets_in(read), read.sizes
+            for (program_id, first_position), chosen in zip(owners, read.chosen, strict=True):
+                mine = recording.get(program_id)
+                if mine is None:
+                    mine = recording[program_id] = {}
+                rows = mine.get(key)
+                if rows is None or not rows.open or rows.end != first_position or rows.op is not op:
+                    rows = mine[key] = RecordedRows(first_position, op)
+                    started = True
+                rows.add(record, index, offsets[chosen], sizes[chosen])
+                members.append((program_id, rows))
+        covered = (set.intersection(*(rows.locations for _, rows in members))
+                   if members and not started else set())
+        return GroupRecord(record, members, covered)
+
+    def record(self, group: GroupRecord, location: str, reads: list[torch.Tensor]) -> None:
+        """Keep a group's reads at `location` (one per planned read) in its step's record; each
+        member not yet standing at `location` gets a chunk there for its `RecordedRows`."""
+        record = group.record
+        on_device = host_copies.on_a_device(reads[0])
+        first_visit = not record.wholes
+        record.keep(location, reads)
+        if on_device:
+            self._device = reads[0].device
+            if first_visit:  # each member holds device rows (`collect` asks, after a spill)
+                for program_id, _ in group.members:
+                    self._device_bytes[program_id] += 0
+        if location in group.covered:
+            return
+        chunks, axes, axis = self._chunks, self._axes, record.axis
+        for program_id, rows in group.members:
+            if location not in rows.locations:
+                rows.locations.add(location)
+                axes[program_id, location] = axis
+                chunks[program_id][location].append(Chunk((rows.first, rows)))
 
     def save_pending(self, locations: tuple[str, ...], arena: SaveArena,
                      saved: list[tuple[str, int, int, int, int]]) -> list[PendingRows]:
@@ -264,33 +329,45 @@ class SaveStore:
 
     def _gathered_in_groups(self, requests: list[ToCollect]) -> Iterator[list[ToCollect]]:
         """`requests` in order, in groups whose rows waiting in a GPU's `SaveArena` come out
-        of it together (`gather_together`) before the group is yielded; a group holds at most
+        of it together (`gather_together`), and whose rows in step records too
+        (`recorded_saves.gather_together`), before the group is yielded; a group holds at most
         a staging buffer's worth of them (or one request), so the gathered copies add about
         that much device memory before they move. Rows in an arena on the host come out request
         by request, each into memory of its own (together, each would be copied once more)."""
         group: list[ToCollect] = []
         waiting: list[tuple[PendingRows, str]] = []
+        recorded: list[tuple[RecordedRows, str]] = []
         size = 0
         for request in map(ToCollect._make, requests):
-            mine = [(rows, location)
-                    for location, chunks in self._chunks.get(request.program_id, {}).items()
-                    for _, rows in chunks
-                    if type(rows) is PendingRows and rows.arena.device.type != "cpu"]
-            more = sum(_bytes(rows) for rows, _ in mine)
+            mine = []
+            mine_recorded = []
+            more = 0
+            for location, chunks in self._chunks.get(request.program_id, {}).items():
+                for _, rows in chunks:
+                    if type(rows) is PendingRows and rows.arena.device.type != "cpu":
+                        mine.append((rows, location))
+                        more += _bytes(rows)
+                    elif type(rows) is RecordedRows:
+                        mine_recorded.append((rows, location))
+                        more += rows.bytes_at(location)
             if group and size + more > host_copies.STAGING_BYTES:
                 gather_together(waiting)
+                gather_recorded(recorded)
                 yield group
-                group, waiting, size = [], [], 0
+                group, waiting, recorded, size = [], [], [], 0
             group.append(request)
             waiting += mine
+            recorded += mine_recorded
             size += more
         gather_together(waiting)
+        gather_recorded(recorded)
         yield group
 
     def _rows(self, program_id: str, computed: int,
               wanted: dict[str, Keep]) -> dict[str, torch.Tensor]:
         """`program_id`'s saves in position order, where they were saved (host or GPU)."""
         self._forget(program_id)
+        self._recording.pop(program_id, None)
         result: dict[str, torch.Tensor] = {}
         for location, chunks in self._chunks.pop(program_id, {}).items():
             chunks = _resolved(chunks, location)
@@ -312,9 +389,10 @@ class SaveStore:
         for program_id in program_ids:
             self._errors.pop(program_id, None)
             self._forget(program_id)
+            self._recording.pop(program_id, None)
             for location, chunks in self._chunks.pop(program_id, {}).items():
                 for _, rows in chunks:
-                    if isinstance(rows, PendingRows):
+                    if isinstance(rows, PendingRows | RecordedRows):
                         rows.release()
                 self._axes.pop((program_id, location), None)
                 self._fills.pop((program_id, location), None)
@@ -330,20 +408,31 @@ def free_device_bytes(device: torch.device | None) -> int | None:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def _bytes(rows: torch.Tensor | PendingRows) -> int:
-    """What a chunk's rows hold, in bytes, wherever they wait."""
+def _bytes(rows: torch.Tensor | PendingRows | RecordedRows, location: str = "") -> int:
+    """What a chunk's rows (at `location`) hold, in bytes, wherever they wait."""
     if isinstance(rows, PendingRows):
         return rows.count * rows.arena.row_bytes
+    if isinstance(rows, RecordedRows):
+        return rows.bytes_at(location)
     return rows.numel() * rows.element_size()
 
 
 def _resolved(chunks: list[Chunk], location: str) -> list[Chunk]:
     """`location`'s `chunks` with rows still in a `SaveArena` taken out of it
-    (`PendingRows.gather`)."""
-    if not any(type(rows) is PendingRows for _, rows in chunks):
+    (`PendingRows.gather`), and rows still in step records cut out of them
+    (`RecordedRows.stretches`: one chunk per stretch without a gap)."""
+    if all(type(rows) is not PendingRows and type(rows) is not RecordedRows
+           for _, rows in chunks):
         return chunks
-    return [Chunk((first, rows.gather(location))) if type(rows) is PendingRows
-            else Chunk((first, rows)) for first, rows in chunks]
+    found: list[Chunk] = []
+    for first, rows in chunks:
+        if type(rows) is PendingRows:
+            found.append(Chunk((first, rows.gather(location))))
+        elif type(rows) is RecordedRows:
+            found += [Chunk(stretch) for stretch in rows.stretches(location)]
+        else:
+            found.append(Chunk((first, rows)))
+    return found
 
 
 def _joined(chunks: list[Chunk], axis: int) -> list[Chunk]:
