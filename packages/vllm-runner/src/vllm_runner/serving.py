@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Protocol
 
 import torch
@@ -231,7 +232,8 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
                    token_axis: int, services: Services) -> bool:
     """One lens (the final norm, the unembedding, the top-k) over the rows of every planned
     read, joined, instead of one per request (each a pass over the unembedding's weights); its
-    tokens and probabilities cut into the members' rows and kept for each."""
+    tokens and probabilities kept in the group's record of the step, under their two names
+    (`recorded_saves`)."""
     step = members[0].step
     plan = _reading_plan(members, layout)
     try:
@@ -243,14 +245,14 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
     if not services.keeps_saves:
         return True
     store = services.store
-    at = 0
-    for run, owners in plan:
-        rows = len(run.span)
-        for name, result in zip(op.saved_names(value.location), (tokens, probabilities),
-                                strict=True):
-            whole = result[at:at + rows].unsqueeze(0)
-            store.save_rows(name, 1, owners, run.pieces(whole, 1))
-        at += rows
+    group = members.record
+    if group is None:
+        group = members.record = store.start_record(plan, 1, op)
+    ends = list(accumulate(len(run.span) for run, _ in plan))
+    for name, result in zip(op.saved_names(value.location), (tokens, probabilities),
+                            strict=True):
+        store.record(group, name, [result[end - len(run.span):end].unsqueeze(0)
+                                   for (run, _), end in zip(plan, ends, strict=True)])
     return True
 
 
