@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from tokenspan import ReadMode, RunRead, Selection, Span, StepLayout, lend, narrow, widen
 from vllm_envoys import Step, Value
@@ -236,9 +237,12 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
     (`recorded_saves`)."""
     step = members[0].step
     plan = _reading_plan(members, layout)
+    members_only, kept = _without_gaps(plan)
     try:
         reads = [value.read(narrow(raw, run.span, layout), step) for run, _ in plan]
         joined = reads[0] if len(reads) == 1 else torch.cat(reads, token_axis)
+        if kept is not None:  # the rows of requests between members are not projected
+            joined = joined.index_select(token_axis, torch.from_numpy(kept).to(joined.device))
         probabilities, tokens = services.lens(joined, op.top_k)
     except Exception:
         return False
@@ -247,13 +251,32 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
     store = services.store
     group = members.record
     if group is None:
-        group = members.record = store.start_record(plan, 1, op)
-    ends = list(accumulate(len(run.span) for run, _ in plan))
+        group = members.record = store.start_record(members_only, 1, op)
+    ends = list(accumulate(sum(run.sizes) for run, _ in members_only))
     for name, result in zip(op.saved_names(value.location), (tokens, probabilities),
                             strict=True):
-        store.record(group, name, [result[end - len(run.span):end].unsqueeze(0)
-                                   for (run, _), end in zip(plan, ends, strict=True)])
+        store.record(group, name, [result[end - sum(run.sizes):end].unsqueeze(0)
+                                   for (run, _), end in zip(members_only, ends, strict=True)])
     return True
+
+
+def _without_gaps(plan: list[PlannedRead]) -> tuple[list[PlannedRead], np.ndarray | None]:
+    """`plan` as if each read held its members' rows only, and the index of those rows in the
+    joined reads (`None` where no read holds other rows: a read over the whole step takes the
+    rows of requests between its members too)."""
+    if all(len(run.chosen) == len(run.sizes) for run, _ in plan):
+        return plan, None
+    compact: list[PlannedRead] = []
+    index: list[np.ndarray] = []
+    base = 0
+    for run, owners in plan:
+        starts = list(accumulate(run.sizes, initial=0))
+        sizes = tuple(run.sizes[chosen] for chosen in run.chosen)
+        compact.append((RunRead(run.span, sizes, tuple(range(len(sizes))), run.keys), owners))
+        index += [np.arange(base + starts[chosen], base + starts[chosen] + run.sizes[chosen])
+                  for chosen in run.chosen]
+        base += len(run.span)
+    return compact, np.concatenate(index)
 
 
 def _reading_plan(members: OpGroup, layout: StepLayout) -> list[PlannedRead]:
