@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from parts import cat_on_one_device, on_a_device
 from tokenspan import StepLayout
@@ -54,6 +54,16 @@ def step_value(step: int, total: int, location: str) -> torch.Tensor:
 
 @settings(deadline=None, max_examples=150)
 @given(schedules(), st.booleans(), st.sampled_from([0, 4, 1000]), st.booleans())
+# Found by CI: x's step 3 saved position 1 one by one (both joined reads failed), then step 4
+# recomputed it through the record x's step 2 began; the record's older chunk must not win.
+@example(([(["x"], [0], [1], 0, {"a": True, "b": True}, False),
+           (["y"], [0], [1], 0, {"a": True, "b": True}, False),
+           (["x"], [0], [1], 0, {"a": False, "b": True}, False),
+           (["x"], [1], [1], 0, {"a": True, "b": True}, False),
+           (["x"], [1], [1], 0, {"a": False, "b": True}, False),
+           (["y"], [0], [1], 0, {"a": True, "b": True}, False),
+           (["x"], [2], [1], 0, {"a": True, "b": True}, False)],
+          {"x": 2, "y": 0, "z": 0}), False, 0, False)
 def test_recorded_rows_are_collected_as_if_saved_one_by_one(schedule, on_device, join_at_most,
                                                             together) -> None:
     steps, computed = schedule

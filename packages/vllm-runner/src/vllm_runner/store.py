@@ -138,6 +138,8 @@ class SaveStore:
         self._axes[(program_id, location)] = token_axis
         if fill is not None:
             self._fills[(program_id, location)] = fill
+        if program_id in self._recording:
+            self._end_records(program_id, (location,))
         chunks = self._chunks[program_id][location]
         if host_copies.on_a_device(value):
             self._device_bytes[program_id] += value.numel() * value.element_size()
@@ -159,8 +161,11 @@ class SaveStore:
         size = values[0].element_size() if values and host_copies.on_a_device(values[0]) else 0
         if size:
             self._device = values[0].device
+        recording = self._recording
         # One pass per owner, kept lean: it runs for every request at every tap of every step.
         for (program_id, first_position), value in zip(owners, values, strict=True):
+            if program_id in recording:
+                self._end_records(program_id, (location,))
             axes[program_id, location] = token_axis
             chunks[program_id][location].append(Chunk((first_position, value)))
             if size:
@@ -193,6 +198,15 @@ class SaveStore:
         covered = (set.intersection(*(rows.locations for _, rows in members))
                    if members and not started else set())
         return GroupRecord(record, members, covered)
+
+    def _end_records(self, program_id: str, locations: tuple[str, ...]) -> None:
+        """A save made another way at `locations` ends the program's recorded rows that stand
+        there: rows recorded after it must come after it in the chunk list, where the later
+        of two rows of one position wins (a step whose joined read failed, then a recomputation
+        of its positions, would otherwise have the older rows win)."""
+        for rows in self._recording[program_id].values():
+            if not rows.locations.isdisjoint(locations):
+                rows.open = False
 
     def record(self, group: GroupRecord, location: str, reads: list[torch.Tensor]) -> None:
         """Keep a group's reads at `location` (one per planned read) in its step's record; each
@@ -228,7 +242,10 @@ class SaveStore:
         if size:
             self._device = arena.device
         first_location = locations[0]
+        recording = self._recording
         for program_id, first_position, block, row, count in saved:
+            if program_id in recording:
+                self._end_records(program_id, locations)
             by_location = chunks[program_id]
             kept = by_location[first_location]
             pending = kept[-1][1] if kept else None
