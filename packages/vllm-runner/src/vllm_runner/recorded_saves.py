@@ -25,10 +25,10 @@ from collections.abc import Iterable
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from vllm_runner import host_copies
+from vllm_runner.save_arena import row_index
 
 if TYPE_CHECKING:
     from tokenspan import RunRead
@@ -64,7 +64,7 @@ class StepRecord:
         first = wholes[0]
         rows = first.shape[self.axis]
         self.row_bytes[location] = first.numel() * first.element_size() // rows if rows else 0
-        if first.device.type != "cpu":
+        if host_copies.on_a_device(first):
             size = sum(whole.numel() * whole.element_size() for whole in wholes)
             self.device_bytes += size
             self._counter.held += size
@@ -206,7 +206,8 @@ class _Plan:
         self.sources: list[tuple[StepRecord, int]] = []
         bases: dict[tuple[int, int], int] = {}
         total = 0
-        indices: list[np.ndarray] = []
+        firsts: list[int] = []  # each piece's first row in the joined reads
+        counts: list[int] = []
         self.stretches: list[list[tuple[int, int, int]]] = []
         self.gaps = False
         taken = 0
@@ -225,7 +226,8 @@ class _Plan:
                     base = bases[source] = total
                     self.sources.append((record, read))
                     total += wholes[read].shape[self.axis]
-                indices.append(np.arange(base + offset, base + offset + count, dtype=np.int64))
+                firsts.append(base + offset)
+                counts.append(count)
                 if mine and mine[-1][0] + mine[-1][2] == position:
                     first, start, length = mine[-1]
                     mine[-1] = (first, start, length + count)
@@ -235,7 +237,7 @@ class _Plan:
                 position += count
             self.stretches.append(mine)
         self.total, self.taken = total, taken
-        self.index = np.concatenate(indices) if indices else np.zeros(0, dtype=np.int64)
+        self.index = row_index(firsts, counts)
 
     def fits(self, location: str) -> bool:
         """Whether the same plan serves `location`: no gaps, and every record kept it."""
@@ -247,8 +249,8 @@ class _Plan:
         if not self.taken or self.total > JOIN_AT_MOST * self.taken:
             return
         reads = [record.wholes[location][read] for record, read in self.sources]
-        joined = reads[0] if len(reads) == 1 else torch.cat(reads, dim=self.axis)
         axis = self.axis
+        joined = _joined(reads, axis)
         if not host_copies.on_a_device(joined):  # each stretch in memory of its own: no
             # copy of it later (a view of a larger tensor is cloned on its way to the caller)
             for member, mine in zip(self.members, self.stretches, strict=True):

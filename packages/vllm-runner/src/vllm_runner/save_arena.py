@@ -251,7 +251,7 @@ class SaveArena:
                 ) -> list[torch.Tensor]:
         """Each segment's rows (`PendingRows.segments`) as an index on the device, for
         `gather` at every location they were saved at."""
-        return [_on_index_device(_row_index(rows, counts), self._index_device)
+        return [_on_index_device(row_index(rows, counts), self._index_device)
                 for _, rows, counts in segments]
 
     def gather(self, location: str, segments: Sequence[tuple[int, list[int], list[int]]],
@@ -331,7 +331,7 @@ class _Layout:
         for rows in members:
             start = total
             for block, firsts, counts in rows.segments:
-                taken = _row_index(firsts, counts)
+                taken = row_index(firsts, counts)
                 taken_of_block, placed_of_block = by_block.setdefault(block, ([], []))
                 taken_of_block.append(taken)
                 placed_of_block.append(np.arange(total, total + len(taken), dtype=np.int64))
@@ -346,7 +346,7 @@ def _on_index_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(index).to(device)
 
 
-def _row_index(rows: list[int], counts: list[int]) -> np.ndarray:
+def row_index(rows: list[int], counts: list[int]) -> np.ndarray:
     """Rows `rows[i]:rows[i] + counts[i]` for every i, in order, as one int64 array."""
     firsts = np.asarray(rows, dtype=np.int64)
     if len(counts) == sum(counts):  # one row each (decode steps; no piece is empty)

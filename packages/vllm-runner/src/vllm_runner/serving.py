@@ -21,7 +21,8 @@ from vllm_envoys.pattern import Pattern
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import refuse_non_finite
 from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, with_rows_kept
-from vllm_runner.recorded_saves import GroupRecord
+from vllm_runner.recorded_saves import GroupRecord, offsets_in
+from vllm_runner.save_arena import row_index
 from vllm_runner.store import SaveStore
 
 
@@ -267,16 +268,15 @@ def _without_gaps(plan: list[PlannedRead]) -> tuple[list[PlannedRead], np.ndarra
     if all(len(run.chosen) == len(run.sizes) for run, _ in plan):
         return plan, None
     compact: list[PlannedRead] = []
-    index: list[np.ndarray] = []
+    firsts: list[int] = []  # each member's first row in the joined reads
     base = 0
     for run, owners in plan:
-        starts = list(accumulate(run.sizes, initial=0))
+        starts = offsets_in(run)
         sizes = tuple(run.sizes[chosen] for chosen in run.chosen)
         compact.append((RunRead(run.span, sizes, tuple(range(len(sizes))), run.keys), owners))
-        index += [np.arange(base + starts[chosen], base + starts[chosen] + run.sizes[chosen])
-                  for chosen in run.chosen]
+        firsts += [base + starts[chosen] for chosen in run.chosen]
         base += len(run.span)
-    return compact, np.concatenate(index)
+    return compact, row_index(firsts, [size for run, _ in compact for size in run.sizes])
 
 
 def _reading_plan(members: OpGroup, layout: StepLayout) -> list[PlannedRead]:
