@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tokenspan import StepLayout
 from torch import nn
-from vllm_envoys import EProperty, Host, Rows, Value
+from vllm_envoys import EProperty, Host, Rows, Stream, Value
 from vllm_envoys.layouts import RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner.ops import Op
@@ -28,6 +28,15 @@ class Toy(nn.Module):
 def residual_value(module: nn.Module, location: str = "layers.0") -> Value:
     """The `layer_output` value of `module`: its whole output, served as `[1, tokens, hidden]`."""
     prop = EProperty(Output(), Rows(), RESIDUAL, "a toy layer's output")
+    prop.__set_name__(Host, "layer_output")
+    return Value(Host(module, location), prop)
+
+
+def stream_value(module: nn.Module, location: str = "layers.0") -> Value:
+    """The `layer_output` value of a fused block whose output is the stream in two halves,
+    `(hidden, residual)`, as vLLM's decoder layers return it: read as their sum, written as
+    the whole stream in the hidden half and zeros in the residual half."""
+    prop = EProperty(Output(0, 1), Stream(), RESIDUAL, "a fused block's output stream")
     prop.__set_name__(Host, "layer_output")
     return Value(Host(module, location), prop)
 

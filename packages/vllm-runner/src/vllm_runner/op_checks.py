@@ -7,6 +7,7 @@ again where a worker decodes it from the wire: both build the same class.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from numbers import Integral, Real
 from typing import Any, Literal, get_args
 
@@ -96,5 +97,21 @@ def refuse_non_finite(edited: Any, what: str, location: str) -> None:
     if isinstance(edited, torch.Tensor) and edited.is_floating_point():
         bad = non_finite(edited, location == "logits")
         if bad:
-            raise ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of "
-                             f"{edited.numel()}; nothing was written")
+            raise non_finite_error(bad, edited, what)
+
+
+def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
+    """`non_finite` of each edit (floating tensors on one device) with one answer from the
+    device for all: the edits of a step's requests checked together wait for the device once,
+    where checking each alone waits once a request."""
+    if not edits:
+        return []
+    totals = torch.stack([edit.sum(dtype=torch.float32) for edit in edits]).tolist()
+    return [0 if math.isfinite(total) else non_finite(edit, location == "logits")
+            for total, edit in zip(totals, edits, strict=True)]
+
+
+def non_finite_error(bad: int, edited: torch.Tensor, what: str) -> ValueError:
+    """The error that refuses an edit holding `bad` non-finite values (nothing written)."""
+    return ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of "
+                      f"{edited.numel()}; nothing was written")

@@ -619,11 +619,12 @@ class Call(Op):
 
     def failure_detail(self, error: BaseException) -> str:
         """The traceback lines of the function's failure below our call into it (the user's own
-        code, with its file and line)."""
+        code, with its file and line); nothing for an error raised outside the function (its
+        result refused), which names what is wrong itself."""
         frames = traceback.extract_tb(error.__traceback__)
         ours = [index for index, frame in enumerate(frames)
                 if frame.filename == __file__ and frame.name == "run_user_code"]
-        user = frames[ours[-1] + 1:] if ours else frames
+        user = frames[ours[-1] + 1:] if ours else []
         if not user:
             return ""
         return "\n" + "".join(traceback.format_list(user)).rstrip()

@@ -19,7 +19,7 @@ from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
-from vllm_runner.op_checks import refuse_non_finite
+from vllm_runner.op_checks import non_finite_each, non_finite_error, refuse_non_finite
 from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, with_rows_kept
 from vllm_runner.recorded_saves import GroupRecord, offsets_in
 from vllm_runner.save_arena import row_index
@@ -177,9 +177,13 @@ def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis
                                                    want.span.first_position, rows)
         want.op.serve(Visit(want, value, raw, rows, layout, token_axis, services))
     except Exception as error:  # one request's failure must not stop the engine
-        store.fail(want.program_id, f"{want.op.kind} at {value.location}: "
-                                    f"{type(error).__name__}: {error}"
-                                    f"{want.op.failure_detail(error)}")
+        _fail(want, value, error, store)
+
+
+def _fail(want: Want, value: Value, error: BaseException, store: SaveStore) -> None:
+    """Fail `want`'s program with `error`, naming its op and the location."""
+    store.fail(want.program_id, f"{want.op.kind} at {value.location}: "
+                                f"{type(error).__name__}: {error}{want.op.failure_detail(error)}")
 
 
 def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
@@ -191,11 +195,16 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     Per-request reads cost more than the copies themselves once a step holds dozens of requests
     (on a GPU the step is a few milliseconds). Only for values read row by row
     (`Codec.rowwise`) and ops that say they can be (`Op.shares_rows`): saves and lenses with no
-    `positions` or `steps`, edits with or without them, `rowwise` calls."""
+    `positions` or `steps`, edits with or without them, `rowwise` calls; and plain calls, whose
+    functions run request by request between one read and one write (`_call_each`)."""
     op = members[0].op
     codec = value.eproperty.codec
     store = services.store
-    if (token_axis is None or codec is None or not codec.rowwise or not op.shares_rows()
+    if token_axis is None or codec is None or not codec.rowwise:
+        return False
+    if isinstance(op, Call) and not op.rowwise:
+        return _call_each(value, raw, members, layout, token_axis, services)
+    if (not op.shares_rows()
             or (store.any_failed and any(store.failed(want.program_id) for want in members))
             or not _served_at_every_step(value, members)):
         return False
@@ -327,7 +336,7 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
 
 
 def _write_runs(writes: list[tuple[Span, Any]], raw: Any, layout: StepLayout,
-                members: OpGroup, what: str, store: SaveStore) -> None:
+                members: list[Want], what: str, store: SaveStore) -> None:
     """Write each run's new rows into the engine's; a write that fails (after others may have
     landed) fails every member."""
     try:
@@ -369,6 +378,115 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
         return False  # nothing written yet
     _write_runs(writes, raw, layout, members, f"{op.kind} at {value.location}", services.store)
     return True
+
+
+def _call_each(value: Value, raw: Any, members: OpGroup, layout: StepLayout, token_axis: int,
+               services: Services) -> bool:
+    """Plain (not `rowwise`) calls of a group: each member's own function on a private copy of
+    its own rows, as `serve_one` runs it, but with the members' rows read once per run of
+    adjacent rows, every result checked for NaN and infinity with one answer from the device
+    for all, and written once per run of adjacent edited rows.
+
+    Reading, checking and writing back cost two thirds of a call's host time request by request
+    (`tap_cost.py --op call`), and each request's check waited for the device. A member whose
+    function raises, or whose result is not finite, fails alone with nothing written; a result
+    of another shape, dtype or device is written (or refused) on its own. `False` (the view
+    mode, where each function gets the engine's own rows, or a read that fails) leaves the
+    members to `serve_one`."""
+    store = services.store
+    mode = members[0].op.reads if isinstance(members[0].op, Call) else None
+    mode = mode or services.reads
+    if mode == "view":
+        return False
+    live = sorted((want for want in members if not passed_over(want, value, store.failed)),
+                  key=lambda want: want.span.start)
+    try:
+        with torch.inference_mode(False):  # private copies that count their in-place edits
+            copies = [piece.clone() for run, whole in _read_runs(value, raw, live, layout)
+                      for piece in whole.split([len(want.span) for want in run], token_axis)]
+    except Exception:
+        return False
+    edits: list[tuple[Want, torch.Tensor, str]] = []
+    for want, copy in zip(live, copies, strict=True):
+        op = want.op
+        assert isinstance(op, Call)
+        try:
+            lent = lend(copy, "copy" if mode == "copy" else "lease", owned=True)
+            length = want.step.prompt_length
+            edited = lent.written(op.run_user_code(
+                lent.value, CallContext(value.location, want.span, length, (length,))))
+        except Exception as error:  # the user's function: its request fails alone
+            _fail(want, value, error, store)
+            continue
+        if edited is None:
+            continue  # untouched: nothing is written
+        what = "the function" if edited is lent.value else "the function's result"
+        if (edited.shape, edited.dtype, edited.device) == (copy.shape, copy.dtype, copy.device):
+            edits.append((want, edited, what))
+        else:  # refused, or converted as it is written, by the one-request path
+            _write_one(want, value, raw, edited, what, layout, store)
+    _write_checked(edits, value, raw, layout, token_axis, store)
+    return True
+
+
+def _read_runs(value: Value, raw: Any, wants: list[Want], layout: StepLayout
+               ) -> list[tuple[list[Want], torch.Tensor]]:
+    """The value over each run of adjacent requests among `wants` (in slab order), one read a
+    run."""
+    runs = _adjacent(wants)
+    return [(run, value.read(narrow(raw, Span(run[0].span.start, run[-1].span.stop), layout),
+                             run[0].step)) for run in runs]
+
+
+def _adjacent(wants: list[Want]) -> list[list[Want]]:
+    """`wants` (in slab order) cut into runs whose rows follow on from each other."""
+    runs: list[list[Want]] = []
+    for want in wants:
+        if runs and runs[-1][-1].span.stop == want.span.start:
+            runs[-1].append(want)
+        else:
+            runs.append([want])
+    return runs
+
+
+def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, raw: Any,
+                   layout: StepLayout, token_axis: int, store: SaveStore) -> None:
+    """Refuse the edits that are not finite (their requests fail alone) and write the rest,
+    one write per run of adjacent rows."""
+    counts = non_finite_each([edited for _, edited, _ in edits], value.location)
+    finite = []
+    for (want, edited, what), bad in zip(edits, counts, strict=True):
+        if bad:
+            _fail(want, value, non_finite_error(bad, edited, what), store)
+        else:
+            finite.append((want, edited, what))
+    wants = [want for want, _, _ in finite]
+    writes = []
+    try:
+        start = 0
+        for run in _adjacent(wants):
+            pieces = [edited for _, edited, _ in finite[start:start + len(run)]]
+            start += len(run)
+            span = Span(run[0].span.start, run[-1].span.stop)
+            writes.append((span, value.write(narrow(raw, span, layout), pieces[0] if len(
+                pieces) == 1 else torch.cat(pieces, token_axis), run[0].step)))
+    except Exception:  # nothing written yet: each request on its own, with its own error
+        for want, edited, what in finite:
+            _write_one(want, value, raw, edited, what, layout, store)
+        return
+    _write_runs(writes, raw, layout, wants, f"call at {value.location}", store)
+
+
+def _write_one(want: Want, value: Value, raw: Any, edited: torch.Tensor, what: str,
+               layout: StepLayout, store: SaveStore) -> None:
+    """Check one request's edit and write it into its rows, as `Call.serve` does; a failure
+    fails that request only."""
+    try:
+        refuse_non_finite(edited, what, value.location)
+        widen(raw, want.span, layout,
+              value.write(narrow(raw, want.span, layout), edited, want.step))
+    except Exception as error:
+        _fail(want, value, error, store)
 
 
 def _served_at_every_step(value: Value, members: list[Want]) -> bool:

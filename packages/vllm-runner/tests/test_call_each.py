@@ -1,0 +1,150 @@
+"""Plain `Call`s of a group served between one read and one write (`serving._call_each`): each
+request's function, its errors and what lands in the engine's rows must be exactly what serving
+each request alone (`serve_one`, the path every engine-level test checks against transformers)
+gives — whatever each function does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from parts import HIDDEN, Toy, layout_of, residual_value, services, stream_value
+from vllm_runner import ops, serving
+from vllm_runner.program import Program
+from vllm_runner.step_plan import ScheduledRequest, plan_step
+
+#: What one request's function does with the rows it is lent.
+BEHAVIOURS = ("in place", "returns", "untouched", "raises", "nan", "wrong shape", "float64",
+              "huge")
+
+
+class Function:
+    """One request's function: notes what it was given, then acts as `behaviour` says."""
+
+    def __init__(self, behaviour: str, seen: list[tuple[Any, ...]]) -> None:
+        self.behaviour, self.seen = behaviour, seen
+
+    def __call__(self, value: torch.Tensor, context: ops.CallContext) -> Any:
+        self.seen.append((context.location, context.positions.tolist(), context.prompt_length,
+                          value.clone()))
+        behaviour = self.behaviour
+        if behaviour == "in place":
+            value.mul_(2)
+            return None
+        if behaviour == "returns":
+            return value * 3 + 1
+        if behaviour == "untouched":
+            return None
+        if behaviour == "raises":
+            raise RuntimeError("this request's function fails")
+        if behaviour == "nan":
+            edited = value * 2
+            edited[0, -1, 0] = float("nan")
+            return edited
+        if behaviour == "wrong shape":
+            return value[:, :, :1]
+        if behaviour == "float64":
+            return value.double() * 5
+        return value * 1e36  # finite values whose float32 sum overflows
+
+
+def served(counts: list[int], firsts: list[int], chosen: list[str],
+           behaviours: dict[str, str], reads: str, stream: bool, alone: bool
+           ) -> tuple[Any, dict[str, str | None], list[tuple[Any, ...]]]:
+    """The engine's rows after one visit of `chosen` requests' calls (all of them one program,
+    each with its own function), the requests' errors and what each function was given."""
+    layout = layout_of(counts, firsts)
+    seen: list[tuple[Any, ...]] = []
+    requests = [ScheduledRequest(key, Program(f"p-{key}", "same", (ops.Call(
+        "layers.0.layer_output", Function(behaviours[key], seen), reads),)), 40 + index)
+        for index, key in enumerate(layout.keys) if key in chosen]
+    plan = plan_step(layout, requests, lambda op: ["layers.0.layer_output"])
+    rows = torch.arange(layout.total * HIDDEN, dtype=torch.float32).reshape(layout.total, HIDDEN)
+    raw: Any = (rows, torch.full_like(rows, 0.5) - rows / 7) if stream else rows
+    value = (stream_value if stream else residual_value)(Toy())
+    used = services()
+    if alone:
+        for group in plan.tokens.wants["layers.0.layer_output"]:
+            for want in group:
+                serving.serve_one(want, value, raw, layout, 1, used)
+    else:
+        together = []
+        call_each = serving._call_each
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(serving, "_call_each",
+                          lambda *args: together.append(call_each(*args)) or together[-1])
+            serving.serve(value, raw, plan.tokens, used)
+        assert together == ([True] if len(chosen) > 1 else [])
+    errors = {key: used.store.error(f"p-{key}") for key in chosen}
+    return raw, errors, seen
+
+
+@settings(deadline=None, max_examples=80)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 30)), min_size=2, max_size=7),
+       st.sampled_from(["lease", "copy"]), st.booleans(), st.data())
+@example([(2, 0), (1, 5), (3, 9)], "lease", True, None)
+def test_plain_calls_of_a_group_equal_each_request_served_alone(requests, reads, stream,
+                                                                data) -> None:
+    """Every behaviour of a function, mixed in one step over adjacent and separate rows, in both
+    copying read modes, on a plain value and on the stream's two halves (where an untouched
+    request's rows must not be rewritten): the engine's rows equal bit for bit, each request
+    fails alone with the same error, and each function was given the same rows and context."""
+    counts, firsts = [count for count, _ in requests], [first for _, first in requests]
+    keys = [f"r{index}" for index in range(len(requests))]
+    if data is None:  # the explicit example: every request untouched but one, between them
+        chosen, behaviours = keys, {"r0": "untouched", "r1": "in place", "r2": "untouched"}
+    else:
+        chosen = data.draw(st.lists(st.sampled_from(keys), min_size=2, unique=True))
+        behaviours = {key: data.draw(st.sampled_from(BEHAVIOURS)) for key in keys}
+    together = served(counts, firsts, chosen, behaviours, reads, stream, alone=False)
+    alone = served(counts, firsts, chosen, behaviours, reads, stream, alone=True)
+    for mine, theirs in zip(*(result[0] if stream else (result[0],)
+                              for result in (together, alone)), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+    assert together[1] == alone[1]
+    for key in chosen:
+        error = together[1][key]
+        assert (error is not None) is (behaviours[key] in ("raises", "nan", "wrong shape"))
+        if behaviours[key] == "raises":  # the user's own line, not ours
+            assert "this request's function fails" in error and __file__ in error
+        elif error is not None:  # a refused result: the error names what is wrong, no traceback
+            assert "vllm_runner" not in error, error
+    by_request = [sorted(result[2], key=lambda seen: seen[2]) for result in (together, alone)]
+    assert len(by_request[0]) == len(by_request[1]) == len(chosen)
+    for mine, theirs in zip(*by_request, strict=True):  # one call each, sorted by prompt length
+        assert mine[:3] == theirs[:3]
+        assert torch.equal(mine[3], theirs[3])
+
+
+def test_an_untouched_request_beside_edited_ones_keeps_both_halves_of_its_stream() -> None:
+    """The fused stream is written as (whole stream, zeros): a request whose function changed
+    nothing must keep its two halves as they were, even between requests that were edited."""
+    raw, errors, _ = served([2, 1, 2], [0, 0, 0], ["r0", "r1", "r2"],
+                            {"r0": "in place", "r1": "untouched", "r2": "returns"}, "lease",
+                            stream=True, alone=False)
+    hidden, residual = raw
+    rows = torch.arange(5 * HIDDEN, dtype=torch.float32).reshape(5, HIDDEN)
+    before = rows + (torch.full_like(rows, 0.5) - rows / 7)
+    assert errors == {"r0": None, "r1": None, "r2": None}
+    torch.testing.assert_close(hidden[2], rows[2], rtol=0, atol=0)  # r1 untouched
+    torch.testing.assert_close(residual[2], 0.5 - rows[2] / 7, rtol=0, atol=0)
+    torch.testing.assert_close(hidden[:2], 2 * before[:2])
+    torch.testing.assert_close(hidden[3:], 3 * before[3:] + 1)
+    assert not residual[[0, 1, 3, 4]].any()
+
+
+def test_a_group_of_plain_calls_asks_the_device_once_whether_their_edits_are_finite(
+        monkeypatch) -> None:
+    """Sixteen requests' edits are checked with one answer from the device (one `tolist`),
+    where one check each waited for it sixteen times."""
+    answers = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist",
+                        lambda self: answers.append((self.dtype, self.shape)) or tolist(self))
+    served([1] * 16, [9] * 16, [f"r{index}" for index in range(16)],
+           {f"r{index}": "returns" for index in range(16)}, "lease", stream=True, alone=False)
+    # (the functions ask for their positions: int64, one answer each, on the host)
+    assert [shape for dtype, shape in answers if dtype.is_floating_point] == [torch.Size([16])]
