@@ -113,6 +113,12 @@ run("ablated from the graph after the prompt", prompts, plain,
 run("steered then ablated at a tap", prompts, plain,
     interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0),
                     ops.ProjectOut("layers.1.layer_output", steer)], [], []])
+# Acts at the prompt's last token only, where no tap serves: its prompt's step runs eager, the
+# steps of its generated tokens run compiled as if it had no program.
+prompt_only = [ops.Save("layers.1.mlp_neurons", positions=(-1,)),
+               ops.Save("layers.1.attention_output", positions=(-1,)),
+               ops.Add("layers.1.attention_output", steer, scale=8.0, positions=(-1,))]
+run("prompt only elsewhere", *traced, interventions=[prompt_only, []])
 run("steered elsewhere", prompts, plain,
     interventions=[[ops.Add("layers.1.attention_output", steer, scale=8.0)], [], []])
 
@@ -402,6 +408,27 @@ def test_steering_elsewhere_on_a_compiled_engine_changes_only_its_own_request(
     steered, others = run["outputs"][0], run["outputs"][1:]
     assert steered["error"] is None and steered["tokens"] != bare["plain"][0]["tokens"]
     equal_to_the_last_bits(others, bare["plain"][1:])
+
+
+def test_a_program_acting_on_its_prompt_only_runs_eager_on_its_prompts_step_only(
+        ours, llm, bare) -> None:
+    """Saves and an edit at the prompt's last token where no tap serves: the prompt's step runs
+    eager, the generated tokens' steps compiled (vLLM's full graphs on a GPU); the values, the
+    edited request's tokens and its neighbour's equal the eager engine's."""
+    run = ours["prompt only elsewhere"]
+    assert run["forwards"] == {"compiled": 5, "taps": 0, "in_graph": 0, "eager": 1}
+    mine, plain = run["outputs"]
+    eager = traced_on_the_eager_engine(llm, [
+        ops.Save("layers.1.mlp_neurons", positions=(-1,)),
+        ops.Save("layers.1.attention_output", positions=(-1,)),
+        ops.Add("layers.1.attention_output", STEER, scale=8.0, positions=(-1,))])
+    assert mine["error"] is None and mine["saved"].keys() == eager[0].saved.keys()
+    for location, value in mine["saved"].items():
+        assert value.shape[1] == 1  # the prompt's last position only
+        close(value, eager[0].saved[location], f"{location} against the eager engine")
+    assert mine["tokens"] == list(eager[0].outputs[0].token_ids)
+    assert plain["tokens"] == list(eager[1].outputs[0].token_ids)
+    equal_to_the_last_bits([plain], [bare["traced"][1]])  # its prompt's step ran eager too
 
 
 def test_a_program_whose_hook_a_compiled_forward_skips_fails_by_name(ours) -> None:

@@ -357,3 +357,30 @@ def test_the_sampler_gets_finite_logits_after_a_step_with_edits() -> None:
     keep_logits_finite(logits)
     top = torch.finfo(torch.float32).max
     assert torch.equal(logits, torch.tensor([[1.5, 0.0, float("-inf")], [top, -2.0, 0.25]]))
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.tuples(st.one_of(st.none(), st.lists(st.integers(-6, 14), max_size=3).map(
+           tuple)), st.sampled_from(["all", "prefill", "decode"])), min_size=1, max_size=3),
+       st.integers(1, 8), st.integers(0, 14), st.integers(1, 4))
+def test_a_request_is_left_out_of_a_step_only_where_none_of_its_ops_keeps_a_row(
+        filters, prompt_length, first, count) -> None:
+    """`step_plan.acting` leaves a request out of a step (no hook, no eager forward, the full
+    graph) only where no op of its program would keep any row of the step — checked against
+    each op's own `keeps` — and does leave out every step past the prompt of a program whose
+    ops all act on the prompt only."""
+    from vllm_runner.program import Program
+    from vllm_runner.step_plan import ScheduledRequest, acting
+
+    program = Program("p", "d", tuple(ops.Save("layers.0.layer_output", positions=positions,
+                                               steps=steps) for positions, steps in filters))
+    layout = layout_of([count], [first])
+    kept = acting(layout, [ScheduledRequest("r0", program, prompt_length)])
+    keeps_a_row = any(keep is None or any(keep(position) for position in
+                                          range(first, first + count))
+                      for keep in (op.keeps(prompt_length) for op in program.ops))
+    if not kept:
+        assert not keeps_a_row
+    prompt_only = all(steps == "prefill" or (positions is not None and all(
+        position < 0 for position in positions)) for positions, steps in filters)
+    assert (not kept) == (prompt_only and first >= prompt_length)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
-from vllm_runner import vllm_v2_runner
+from vllm_runner import ops, vllm_v2_runner
+from vllm_runner.ops import op_from_data
 from vllm_runner.program import EXTRA_ARGS_KEY, Program
 from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.step_plan import NO_ROWS
@@ -42,7 +43,11 @@ class FakeRuntime:
         self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
 
     def program(self, data, prompt_length):
-        return Program(data["program_id"], "digest", ())
+        return Program(data["program_id"], "digest", tuple(
+            op_from_data(op) for op in data["ops"]) or (ops.Save("layers.0.layer_output"),))
+
+    def acts_at(self, data, prompt_length, first_position) -> bool:
+        return first_position < prompt_length or not self.program(data, 0).prompt_only
 
     def edits(self, data) -> bool:
         return self.editing
@@ -69,8 +74,8 @@ def batch(req_ids, counts, firsts, padded=None):
                            num_tokens_after_padding=padded or int(offsets[-1]))
 
 
-def data(program_id):
-    return {"program_id": program_id, "digest": "digest", "ops": []}
+def data(program_id, *program: ops.Op):
+    return {"program_id": program_id, "digest": "digest", "ops": [op.to_data() for op in program]}
 
 
 def test_the_layout_follows_v2s_own_order_offsets_and_host_positions() -> None:
@@ -90,6 +95,46 @@ def test_the_layout_follows_v2s_own_order_offsets_and_host_positions() -> None:
 def test_a_step_without_programs_builds_no_layout() -> None:
     layout, scheduled = scheduled_step(FakeRuntime(), {}, batch(["a"], [3], [0]))  # type: ignore[arg-type]
     assert layout is NO_ROWS and scheduled == []
+
+
+def test_a_request_whose_program_acts_on_its_prompt_only_is_left_out_past_its_prompt() -> None:
+    """`Save(..., positions=(-1,))` has nothing to do at a generated token's step: the request
+    is not scheduled there (its step runs as if it had no program), but is on its prompt's."""
+    last = data("pl", ops.Save("layers.0.layer_output", positions=(-1,)))
+    programs = {"a": (last, 5), "b": (data("pb"), 5), "c": (last, 20)}
+    layout, scheduled = scheduled_step(FakeRuntime(), programs,  # type: ignore[arg-type]
+                                       batch(["a", "b", "c"], [1, 1, 8], [5, 7, 8]))
+    assert [request.request_id for request in scheduled] == ["b", "c"]
+    assert layout["c"].first_position == 8
+    alone = {"a": programs["a"]}
+    assert scheduled_step(FakeRuntime(), alone, batch(["a"], [1], [6])) == (  # type: ignore[arg-type]
+        NO_ROWS, [])
+
+
+def test_the_graph_is_chosen_for_the_programs_that_act_at_the_step() -> None:
+    """`acting_programs` reads each scheduled request's computed tokens from the scheduler's
+    output (new and running requests); a request it has none for counts as acting."""
+    last = data("pl", ops.Save("layers.0.layer_output", positions=(-1,)))
+    every = data("pe")
+    programs = {"new": (last, 4), "past": (last, 4), "prompt": (last, 9), "plain": (every, 4),
+                "unknown": (last, 4)}
+    output = SimpleNamespace(
+        num_scheduled_tokens={name: 1 for name in [*programs, "none"]},
+        scheduled_new_reqs=[SimpleNamespace(req_id="new", num_computed_tokens=4)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["past", "prompt", "plain"],
+                                              num_computed_tokens=[6, 8, 6]))
+    found = vllm_v2_runner.acting_programs(FakeRuntime(), programs, output)  # type: ignore[arg-type]
+    # "prompt", "plain" and "unknown"; "new" and "past" are past their prompts
+    assert [program["program_id"] for program in found] == ["pl", "pe", "pl"]
+    assert vllm_v2_runner.computed_tokens(SimpleNamespace()) == {}
+
+
+def test_the_scheduler_output_of_the_installed_vllm_names_the_computed_tokens() -> None:
+    """The fields `computed_tokens` reads, on the installed vLLM's own classes."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+
+    assert "num_computed_tokens" in NewRequestData.__dataclass_fields__
+    assert {"req_ids", "num_computed_tokens"} <= set(CachedRequestData.__dataclass_fields__)
 
 
 class V2Stub:

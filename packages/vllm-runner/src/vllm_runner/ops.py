@@ -82,6 +82,11 @@ class Op:
         `None`."""
         return None
 
+    def acts_past_the_prompt(self) -> bool:
+        """Whether the op may act at a position past its request's prompt (a generated token's
+        step), whatever the prompt's length."""
+        return True
+
     def shares_rows(self) -> bool:
         """Whether every row of every request running the op is treated alike, so they can be
         served together."""
@@ -126,6 +131,13 @@ class RowOp(Op):
     def filtered(self) -> bool:
         """Whether `positions` or `steps` limit the rows the op acts at."""
         return self.positions is not None or self.steps != "all"
+
+    def acts_past_the_prompt(self) -> bool:
+        """`False` for `steps="prefill"` and for `positions` counted from the prompt's end
+        (negative), which name prompt positions only."""
+        if self.steps == "prefill":
+            return False
+        return self.positions is None or any(position >= 0 for position in self.positions)
 
     def keeps(self, prompt_length: int) -> KeepPosition | None:
         """`position -> bool` for `positions` (negative: from the prompt's end) and `steps`;

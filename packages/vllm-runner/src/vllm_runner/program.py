@@ -93,6 +93,13 @@ class Program:
         requests' KV blocks are zeroed before they are handed to anyone else (`kv_blocks`)."""
         return any(op.edits for op in self.ops)
 
+    @cached_property  # asked at every step of every running request
+    def prompt_only(self) -> bool:
+        """Whether every op acts on the prompt only (`Op.acts_past_the_prompt`): a request
+        running it has nothing to do at a step past its prompt, and such a step is planned and
+        graphed as if the request had no program (`step_plan.acting`)."""
+        return not any(op.acts_past_the_prompt() for op in self.ops)
+
     def before_the_prompt(self, prompt_length: int) -> str | None:
         """Why the program can never run as written on a prompt of `prompt_length` tokens, or
         `None` (see `Op.before_the_prompt`)."""

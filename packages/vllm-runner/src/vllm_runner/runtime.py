@@ -324,6 +324,17 @@ class Runtime:
         except Exception:
             return True
 
+    def acts_at(self, data: ProgramData, prompt_length: int, first_position: int) -> bool:
+        """Whether a request running `data` may act at a step whose rows start at
+        `first_position`: the rule of `step_plan.acting`, for the adapters' choice of the
+        step's graph before its rows are known (a program that does not decode: yes)."""
+        if first_position < prompt_length:
+            return True
+        try:
+            return not self.programs.get(data).prompt_only
+        except Exception:
+            return True
+
     def _in_graph(self, program: Program, location: str) -> bool:
         """Whether all of `program`'s ops at `location` run inside the graph (cached)."""
         key = (program.digest, location)

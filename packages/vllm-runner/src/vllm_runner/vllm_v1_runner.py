@@ -38,7 +38,7 @@ from vllm_runner.program import ProgramData, program_data
 from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
-from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
+from vllm_runner.step_plan import NO_ROWS, ScheduledRequest, acting
 from vllm_runner.swapped import swapped
 
 
@@ -78,15 +78,23 @@ def scheduled_step(runtime: Runtime, runner: Any, positions: torch.Tensor,
                                                        device=positions.device)).tolist()
     layout = StepLayout.from_offsets(request_ids, offsets, firsts,
                                      padded_total=int(positions.shape[0]))
-    return layout, scheduled
+    scheduled = acting(layout, scheduled)
+    return (layout, scheduled) if scheduled else (NO_ROWS, scheduled)
 
 
-def programs_of(runner: Any, count: int) -> list[ProgramData]:
-    """The programs of the step's first `count` requests that carry one, as they travel."""
+def programs_of(runner: Any, runtime: Runtime, count: int) -> list[ProgramData]:
+    """The programs, as they travel, of the step's first `count` requests that carry one and
+    may act at this step (`Runtime.acts_at`: each request's rows start at its computed
+    tokens)."""
     requests = runner.requests
-    found = (program_data(_extra_args(requests.get(request_id)))
-             for request_id in runner.input_batch.req_ids[:count])
-    return [data for data in found if data is not None]
+    found = []
+    for request_id in runner.input_batch.req_ids[:count]:
+        state = requests.get(request_id)
+        data = program_data(_extra_args(state))
+        if data is not None and runtime.acts_at(data, len(state.prompt_token_ids),
+                                                state.num_computed_tokens):
+            found.append(data)
+    return found
 
 
 def blocks_of(groups: Iterable[Iterable[int]] | None) -> list[int]:
@@ -163,7 +171,7 @@ class RunnerMixin:
         the piecewise graphs run the tap op between their pieces). Steering the graph serves
         from its buffers (`tap_steering`) leaves vLLM's choice as it is."""
         count = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
-        if not self.interp.compiled or not (programs := programs_of(self, count)):
+        if not self.interp.compiled or not (programs := programs_of(self, self.interp, count)):
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
         if self.interp.needs_module_tree_for(programs):

@@ -40,7 +40,7 @@ from vllm_runner.program import ProgramData, program_data
 from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
-from vllm_runner.step_plan import NO_ROWS, ScheduledRequest
+from vllm_runner.step_plan import NO_ROWS, ScheduledRequest, acting
 from vllm_runner.swapped import swapped
 from vllm_runner.vllm_v1_runner import blocks_of, handed_out_blocks
 
@@ -76,7 +76,8 @@ def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept], batch: Any,
     layout = StepLayout.from_offsets(request_ids, batch.query_start_loc_np[: count + 1],
                                      batch.num_computed_tokens_np[:count],
                                      padded_total=int(batch.num_tokens_after_padding))
-    return layout, scheduled
+    scheduled = acting(layout, scheduled)
+    return (layout, scheduled) if scheduled else (NO_ROWS, scheduled)
 
 
 def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_tokens: int,
@@ -97,6 +98,34 @@ def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_t
     pieces = redispatch()
     return (pieces if pieces.cg_mode != CUDAGraphMode.FULL
             else _no_graph(chosen, num_tokens, num_reqs)), False
+
+
+def acting_programs(runtime: Runtime, programs: Mapping[str, Kept], scheduler_output: Any
+                    ) -> list[ProgramData]:
+    """The programs of the step's scheduled requests that may act at this step
+    (`Runtime.acts_at`), each request's rows starting at the computed tokens the scheduler
+    gives it (a request it gives none for counts as acting)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    if not programs or not scheduled:
+        return []
+    firsts = computed_tokens(scheduler_output)
+    acts_at = runtime.acts_at
+    return [kept[0] for request_id in scheduled
+            if (kept := programs.get(request_id)) is not None
+            and acts_at(kept[0], kept[1], firsts.get(request_id, 0))]
+
+
+def computed_tokens(scheduler_output: Any) -> dict[str, int]:
+    """Each scheduled request's computed tokens before this step, as the scheduler hands them
+    over (new requests' and running ones'); empty where a release names them otherwise."""
+    try:
+        found = {new.req_id: int(new.num_computed_tokens)
+                 for new in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        found.update(zip(cached.req_ids, map(int, cached.num_computed_tokens), strict=True))
+    except (AttributeError, TypeError, ValueError):
+        return {}
+    return found
 
 
 def _no_graph(chosen: Any, num_tokens: int, num_reqs: int) -> Any:
@@ -226,15 +255,11 @@ class RunnerV2Mixin:
             yield
             return
         dispatch = manager.dispatch
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
 
         def interp_dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
                             *args: Any, **kwargs: Any) -> Any:
             chosen = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-            kept_programs = self.interp_programs
-            programs = [kept[0] for request_id in scheduled
-                        if (kept := kept_programs.get(request_id)) is not None
-                        ] if kept_programs else []
+            programs = acting_programs(self.interp, self.interp_programs, scheduler_output)
             chosen, self.interp_module_tree = step_graph(
                 self.interp, programs, chosen, num_tokens, num_reqs,
                 lambda: dispatch(num_reqs, num_tokens, None, *args,
