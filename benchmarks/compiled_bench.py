@@ -27,7 +27,9 @@ pieces); (callrows) the same with `rowwise=True`, one call a step for every requ
 the same as (call) on one request of each wave, so every step with it leaves the full
 graph for the piecewise graphs with almost no Python: what the pieces themselves cost;
 (untapped) every request saves one layer's `attention_output`, which no tap serves
-(tier 1: those steps run eager); (eager) the eager bare engine, no programs; (twin) vLLM's
+(tier 1: those steps run eager); (probe) every request saves every layer's `layer_output` at
+its prompt's last token, the usual probe: the taps' Python at the prompts' steps, the
+generated tokens' steps as if no request had a program; (eager) the eager bare engine, no programs; (twin) vLLM's
 default engine once more, in a process of its own: an A/A control, whose ratio would be 1.0
 with a method free of bias (a ratio of ours inside the twin's spread is no cost we can show);
 (bare) our `LLM` with no taps declared and no programs: against (a), what declaring taps costs
@@ -83,6 +85,7 @@ NAMES = {
     "callrows": "a rowwise Call at one layer on every request (tap): one call a step",
     "call1": "a Call at one layer on one request of each wave (tap): the pieces' own cost",
     "untapped": "every request saves one layer's attention_output (no tap: eager steps)",
+    "probe": "every request saves every layer's layer_output at its prompt's last token (taps)",
     "eager": "vLLM's eager engine (enforce_eager=True), no programs",
     "twin": "vLLM's default engine again, in a process of its own (A/A control)",
     "bare": "our LLM with no taps declared, no programs",
@@ -133,6 +136,8 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
         return [[ops.Call(f"layers.{middle}.layer_output", double, rowwise=True)]] * requests
     if arm == "untapped":
         return [[ops.Save(f"layers.{middle}.attention_output")]] * requests
+    if arm == "probe":
+        return [[ops.Save("layers.*.layer_output", positions=(-1,))]] * requests
     raise ValueError(f"unknown arm {arm!r}")
 
 
