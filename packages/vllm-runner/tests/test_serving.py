@@ -384,3 +384,49 @@ def test_a_request_is_left_out_of_a_step_only_where_none_of_its_ops_keeps_a_row(
     prompt_only = all(steps == "prefill" or (positions is not None and all(
         position < 0 for position in positions)) for positions, steps in filters)
     assert (not kept) == (prompt_only and first >= prompt_length)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.one_of(st.none(), st.lists(st.integers(-9, 30), max_size=4).map(tuple)),
+       st.sampled_from(["all", "prefill", "decode"]), st.integers(1, 12), st.integers(0, 25),
+       st.integers(1, 9))
+def test_the_runs_an_op_keeps_are_the_rows_its_keeps_keeps(positions, steps, prompt_length,
+                                                           first, count) -> None:
+    """`RowOp.kept_runs`, worked out from `positions` and `steps`, against the op's own
+    `keeps` asked row by row: the same rows, as maximal runs in order."""
+    op = ops.Save("layers.0.layer_output", positions=positions, steps=steps)
+    keep = op.keeps(prompt_length)
+    rows = [row for row in range(count) if keep is None or keep(first + row)]
+    runs = op.kept_runs(first, count, prompt_length)
+    assert [row for start, stop in runs for row in range(start, stop)] == rows
+    assert all(stop > start for start, stop in runs)
+    assert all(before[1] < after[0] for before, after in zip(runs, runs[1:]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_save_with_positions_keeps_only_the_rows_it_names(stream) -> None:
+    """`Save(positions=(-1, -3))` over a prompt's chunk keeps two one-row copies, not the
+    chunk (a probe of the prompt's last token kept every prompt row at every layer until its
+    collection); what is collected is the same rows."""
+    from parts import stream_value
+
+    layout = layout_of([5, 4], firsts=[0, 0])
+    program = [ops.Save("layers.0.layer_output", positions=(-1, -3))]
+    plan = plan_step(layout, scheduled(layout, program, prompt_length=5), locations_of)
+    rows = slab(layout.total)
+    raw = (rows, torch.ones_like(rows)) if stream else rows
+    value = (stream_value if stream else residual_value)(Toy())
+    used = services()
+    kept = []
+    save = used.store.save
+    used.store.save = lambda *args: kept.append(tuple(args[3].shape)) or save(*args)
+    serving.serve(value, raw, plan.tokens, used)
+    assert kept == [(1, 1, HIDDEN)] * 3  # r0 positions 2 and 4; r1 (4 of 5 rows) position 2
+    whole = rows + 1 if stream else rows
+    keep = program[0].keeps(5)
+    collected = used.store.collect([("p-r0", 5, {"layers.0.layer_output": keep}),
+                                    ("p-r1", 4, {"layers.0.layer_output": keep})])
+    torch.testing.assert_close(collected["p-r0"]["layers.0.layer_output"],
+                               whole[[2, 4]].unsqueeze(0))
+    torch.testing.assert_close(collected["p-r1"]["layers.0.layer_output"],
+                               whole[[7]].unsqueeze(0))

@@ -158,6 +158,39 @@ class RowOp(Op):
             return True
         return keep
 
+    def kept_runs(self, first_position: int, count: int, prompt_length: int
+                  ) -> list[tuple[int, int]]:
+        """The rows `keeps(prompt_length)` keeps of `count` rows from `first_position`, as runs
+        `(start, stop)` of row offsets: worked out from `positions` and `steps`, not row by row
+        (a prompt's chunk has thousands of rows, a probe keeps one)."""
+        low, high = first_position, first_position + count
+        if self.steps == "prefill":
+            high = min(high, prompt_length)
+        elif self.steps == "decode":
+            low = max(low, prompt_length)
+        if self.positions is None:
+            return [(low - first_position, high - first_position)] if low < high else []
+        runs: list[tuple[int, int]] = []
+        for position in sorted({p + prompt_length if p < 0 else p for p in self.positions}):
+            if low <= position < high:
+                offset = position - first_position
+                if runs and runs[-1][1] == offset:
+                    runs[-1] = (runs[-1][0], offset + 1)
+                else:
+                    runs.append((offset, offset + 1))
+        return runs
+
+    def kept_reads(self, visit: Visit) -> list[tuple[int, torch.Tensor]]:
+        """`(first position, value)` of each run of the request's rows the op keeps at this
+        visit (all of them where it has no filter, or the value no token axis): a `Save` or a
+        `Lens` with `positions` then keeps and computes those rows only."""
+        span = visit.want.span
+        if not self.filtered or visit.token_axis is None:
+            return [(span.first_position, visit.read())]
+        return [(span.first_position + start, visit.read_rows(start, stop))
+                for start, stop in self.kept_runs(span.first_position, len(span),
+                                                  visit.want.step.prompt_length)]
+
     def kept_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
         """`keeps` for many rows at once: whether the op acts at each row, given each row's
         position and its request's prompt length (int64, one per row)."""
@@ -205,9 +238,9 @@ class Save(RowOp):
         """Keep the request's rows (on rank 0 only: the client collects from there)."""
         if not visit.services.keeps_saves:
             return
-        visit.services.store.save(visit.want.program_id, visit.location,
-                                  visit.want.span.first_position, visit.read(),
-                                  visit.token_axis, visit.fill)
+        for first_position, value in self.kept_reads(visit):
+            visit.services.store.save(visit.want.program_id, visit.location, first_position,
+                                      value, visit.token_axis, visit.fill)
 
 
 @dataclass(frozen=True)
@@ -245,14 +278,14 @@ class Lens(RowOp):
     def serve(self, visit: Visit) -> None:
         """Top-k next-token probabilities of the rows, through the model's own final norm and
         logits (every rank computes them: under tensor parallelism the logits are gathered)."""
-        probabilities, tokens = visit.services.lens(visit.read(), self.top_k)
-        if not visit.services.keeps_saves:
-            return
-        tokens_name, probs_name = self.saved_names(visit.location)
-        store, program_id = visit.services.store, visit.want.program_id
-        first = visit.want.span.first_position
-        store.save(program_id, tokens_name, first, tokens.unsqueeze(0), 1)
-        store.save(program_id, probs_name, first, probabilities.unsqueeze(0), 1)
+        for first, rows in self.kept_reads(visit):
+            probabilities, tokens = visit.services.lens(rows, self.top_k)
+            if not visit.services.keeps_saves:
+                continue
+            tokens_name, probs_name = self.saved_names(visit.location)
+            store, program_id = visit.services.store, visit.want.program_id
+            store.save(program_id, tokens_name, first, tokens.unsqueeze(0), 1)
+            store.save(program_id, probs_name, first, probabilities.unsqueeze(0), 1)
 
 
 @dataclass(frozen=True)

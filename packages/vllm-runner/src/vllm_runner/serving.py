@@ -122,6 +122,18 @@ class Visit:
         """The request's value as read (a private copy)."""
         return self.value.read(self.rows, self.want.step)
 
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """The value over rows `start:stop` of the request's (offsets in its span), a private
+        copy of those rows only: read from them alone where the value is row by row, else cut
+        from the whole read (an attention pattern's rows need every key)."""
+        codec = self.value.eproperty.codec
+        if self.token_axis is None or codec is None or not codec.rowwise:
+            axis = self.token_axis if self.token_axis is not None else 0
+            return self.read().narrow(axis, start, stop - start).clone()
+        span = self.want.span
+        rows = narrow(self.raw, Span(span.start + start, span.start + stop), self.layout)
+        return self.value.read(rows, self.want.step)
+
     @property
     def fill(self) -> float | None:
         """What pads this value's rows of different steps to one width (a pattern's masked
