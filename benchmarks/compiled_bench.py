@@ -29,11 +29,12 @@ graph for the piecewise graphs with almost no Python: what the pieces themselves
 (untapped) every request saves one layer's `attention_output`, which no tap serves
 (tier 1: those steps run eager); (probe) every request saves every layer's `layer_output` at
 its prompt's last token, the usual probe: the taps' Python at the prompts' steps, the
-generated tokens' steps as if no request had a program; (eager) the eager bare engine, no programs; (twin) vLLM's
-default engine once more, in a process of its own: an A/A control, whose ratio would be 1.0
-with a method free of bias (a ratio of ours inside the twin's spread is no cost we can show);
-(bare) our `LLM` with no taps declared and no programs: against (a), what declaring taps costs
-steps without programs (the taps split the piecewise graphs that prefill and mixed steps run).
+generated tokens' steps as if no request had a program; (eager) the eager bare engine, no
+programs; (twin) vLLM's default engine once more, in a process of its own: an A/A control,
+whose ratio would be 1.0 with a method free of bias (a ratio of ours inside the twin's spread
+is no cost we can show); (bare) our `LLM` with no taps declared and no programs: against (a),
+what declaring taps costs steps without programs (the taps split the piecewise graphs that
+prefill and mixed steps run).
 
 Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where
 the profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its

@@ -4,6 +4,8 @@ The oracle is plain torch on each request's own rows."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -384,6 +386,8 @@ def test_a_request_is_left_out_of_a_step_only_where_none_of_its_ops_keeps_a_row(
     prompt_only = all(steps == "prefill" or (positions is not None and all(
         position < 0 for position in positions)) for positions, steps in filters)
     assert (not kept) == (prompt_only and first >= prompt_length)
+    requests = [ScheduledRequest("r0", program, prompt_length)]
+    assert (acting(layout, requests) is requests) == bool(kept)  # a repeated schedule's list
 
 
 @settings(deadline=None, max_examples=300)
@@ -400,7 +404,7 @@ def test_the_runs_an_op_keeps_are_the_rows_its_keeps_keeps(positions, steps, pro
     runs = op.kept_runs(first, count, prompt_length)
     assert [row for start, stop in runs for row in range(start, stop)] == rows
     assert all(stop > start for start, stop in runs)
-    assert all(before[1] < after[0] for before, after in zip(runs, runs[1:]))
+    assert all(before[1] < after[0] for before, after in pairwise(runs))
 
 
 @pytest.mark.parametrize("stream", [False, True])
