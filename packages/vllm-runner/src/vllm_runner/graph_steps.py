@@ -107,6 +107,8 @@ class GraphSteps:
             ablations = tuple(op for op in ops if isinstance(op, ProjectOut))
             if any(op.keeps(1) is not None for op in (*adds, *ablations)):
                 return None  # an edit at some positions only: the general plan's index
+            if any(isinstance(op, Save) and op.positions is not None for op in ops):
+                return None  # the general plan keeps only the rows it names (`SaveRing.take`)
             work[location] = GraphWork(adds, any(isinstance(op, Save) for op in ops), ablations)
         return work
 

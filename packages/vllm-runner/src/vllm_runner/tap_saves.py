@@ -50,14 +50,26 @@ class SaveRing:
     def take(self, groups: Iterable[Iterable[Want]], failed: Callable[[str], bool],
              value: Value, store: SaveStore) -> None:
         """Keep each saving request's rows of the last forward (a request's `Save`s there
-        share one copy), skipping programs that failed and steps the value is not served at."""
-        saving: dict[str, SavedRows] = {}
+        share one copy: from the first row one of them keeps to the last, `RowOp.kept_runs`, so
+        a probe of the prompt's last token keeps one row, not the prompt), skipping programs
+        that failed and steps the value is not served at."""
+        kept: dict[str, tuple[Want, int, int]] = {}  # per program: its rows' offsets kept
         for want in (want for members in groups for want in members):
-            if isinstance(want.op, Save) and not passed_over(want, value, failed):
-                span = want.span
-                saving[want.program_id] = (want.program_id, span.start, span.stop - span.start,
-                                           span.first_position)
-        keep_rows([self], list(saving.values()), store)
+            op = want.op
+            if not isinstance(op, Save) or passed_over(want, value, failed):
+                continue
+            span = want.span
+            runs = op.kept_runs(span.first_position, len(span), want.step.prompt_length) \
+                if op.filtered else [(0, len(span))]
+            if not runs:
+                continue
+            start, stop = runs[0][0], runs[-1][1]
+            if (earlier := kept.get(want.program_id)) is not None:
+                start, stop = min(start, earlier[1]), max(stop, earlier[2])
+            kept[want.program_id] = (want, start, stop)
+        keep_rows([self], [(want.program_id, want.span.start + start, stop - start,
+                            want.span.first_position + start)
+                           for want, start, stop in kept.values()], store)
 
 
 class Placed(NamedTuple):
