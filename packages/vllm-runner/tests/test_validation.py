@@ -52,6 +52,13 @@ def test_positions_never_reached_give_an_empty_tensor_under_their_key(llm) -> No
     assert output.saved[LOCATION].shape == (1, 0, 128)
 
 
+def test_a_lens_at_positions_never_reached_gives_empty_tokens_and_probabilities(llm) -> None:
+    output = _run(llm, [ops.Lens(LOCATION, top_k=3, positions=(100,))])
+    assert output.error is None
+    assert output.saved[f"{LOCATION}.lens_tokens"].shape == (1, 0, 3)
+    assert output.saved[f"{LOCATION}.lens_probs"].shape == (1, 0, 3)
+
+
 def test_a_lens_wider_than_the_vocabulary_is_refused_naming_both(llm) -> None:
     with pytest.raises(ValueError, match=r"top_k=1000000000.*256 tokens"):
         _run(llm, [ops.Lens(LOCATION, top_k=10**9)])

@@ -238,7 +238,11 @@ class Save(RowOp):
         """Keep the request's rows (on rank 0 only: the client collects from there)."""
         if not visit.services.keeps_saves:
             return
-        for first_position, value in self.kept_reads(visit):
+        # Nothing kept this step: no rows, so that the location is saved (empty where no
+        # position it names is ever reached) and the store knows its axis.
+        reads = self.kept_reads(visit) or [(visit.want.span.first_position,
+                                            visit.read_rows(0, 0))]
+        for first_position, value in reads:
             visit.services.store.save(visit.want.program_id, visit.location, first_position,
                                       value, visit.token_axis, visit.fill)
 
@@ -278,14 +282,21 @@ class Lens(RowOp):
     def serve(self, visit: Visit) -> None:
         """Top-k next-token probabilities of the rows, through the model's own final norm and
         logits (every rank computes them: under tensor parallelism the logits are gathered)."""
+        found = []
         for first, rows in self.kept_reads(visit):
             probabilities, tokens = visit.services.lens(rows, self.top_k)
-            if not visit.services.keeps_saves:
-                continue
-            tokens_name, probs_name = self.saved_names(visit.location)
-            store, program_id = visit.services.store, visit.want.program_id
-            store.save(program_id, tokens_name, first, tokens.unsqueeze(0), 1)
-            store.save(program_id, probs_name, first, probabilities.unsqueeze(0), 1)
+            found.append((first, tokens.unsqueeze(0), probabilities.unsqueeze(0)))
+        if not visit.services.keeps_saves:
+            return
+        if not found:  # nothing kept this step: no rows, as a `Save` keeps
+            found.append((visit.want.span.first_position,
+                          torch.empty(1, 0, self.top_k, dtype=torch.long),
+                          torch.empty(1, 0, self.top_k, dtype=torch.float32)))
+        tokens_name, probs_name = self.saved_names(visit.location)
+        store, program_id = visit.services.store, visit.want.program_id
+        for first, tokens, probabilities in found:
+            store.save(program_id, tokens_name, first, tokens, 1)
+            store.save(program_id, probs_name, first, probabilities, 1)
 
 
 @dataclass(frozen=True)

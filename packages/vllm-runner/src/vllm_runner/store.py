@@ -138,9 +138,11 @@ class SaveStore:
         self._axes[(program_id, location)] = token_axis
         if fill is not None:
             self._fills[(program_id, location)] = fill
+        chunks = self._chunks[program_id][location]
+        if token_axis is not None and chunks and value.shape[token_axis] == 0:
+            return  # no rows (an op with `positions` kept none this step): nothing to add
         if program_id in self._recording:
             self._end_records(program_id, (location,))
-        chunks = self._chunks[program_id][location]
         if host_copies.on_a_device(value):
             self._device_bytes[program_id] += value.numel() * value.element_size()
             self._device = value.device
