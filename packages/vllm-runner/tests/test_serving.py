@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from parts import HIDDEN, Toy, layout_of, residual_value, scheduled, services
 from vllm_runner import ops, serving
@@ -422,10 +422,14 @@ def test_a_save_with_positions_keeps_only_the_rows_it_names(stream) -> None:
     value = (stream_value if stream else residual_value)(Toy())
     used = services()
     kept = []
-    save = used.store.save
-    used.store.save = lambda *args: kept.append(tuple(args[3].shape)) or save(*args)
+    save_rows = used.store.save_rows
+    used.store.save_rows = lambda location, axis, owners, values: kept.extend(  # type: ignore[method-assign]
+        (owner, tuple(piece.shape)) for owner, piece in zip(owners, values, strict=True)
+    ) or save_rows(location, axis, owners, values)
     serving.serve(value, raw, plan.tokens, used)
-    assert kept == [(1, 1, HIDDEN)] * 3  # r0 positions 2 and 4; r1 (4 of 5 rows) position 2
+    # r0 positions 2 and 4; r1 (4 of 5 rows) position 2: one gather, three one-row pieces
+    assert kept == [(("p-r0", 2), (1, 1, HIDDEN)), (("p-r0", 4), (1, 1, HIDDEN)),
+                    (("p-r1", 2), (1, 1, HIDDEN))]
     whole = rows + 1 if stream else rows
     keep = program[0].keeps(5)
     collected = used.store.collect([("p-r0", 5, {"layers.0.layer_output": keep}),
@@ -434,3 +438,48 @@ def test_a_save_with_positions_keeps_only_the_rows_it_names(stream) -> None:
                                whole[[2, 4]].unsqueeze(0))
     torch.testing.assert_close(collected["p-r1"]["layers.0.layer_output"],
                                whole[[7]].unsqueeze(0))
+
+
+@settings(deadline=None, max_examples=80)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 12)), min_size=2, max_size=6),
+       st.lists(st.integers(-8, 14), max_size=4).map(tuple),
+       st.sampled_from(["all", "prefill", "decode"]), st.integers(4, 9), st.booleans(),
+       st.data())
+def test_filtered_saves_served_together_equal_each_request_served_alone(
+        requests, positions, steps, prompt_length, stream, data) -> None:
+    """A `Save` with `positions` and `steps` on a group (one gather of the rows its members
+    keep) collects what the same op served request by request (`serve_one`) does, whatever the
+    rows, first positions and filters, on a plain value and on the stream's two halves; a
+    member that keeps no row still gets its name back (empty)."""
+    from parts import stream_value
+
+    layout = layout_of([count for count, _ in requests], [first for _, first in requests])
+    chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
+    op = ops.Save("layers.0.layer_output", positions=positions or None, steps=steps)
+    assume(op.filtered)  # an unfiltered save is served together another way
+    wanted = [request._replace(prompt_length=prompt_length + index) for index, request in
+              enumerate(scheduled(layout, [op])) if request.request_id in chosen]
+    plan = plan_step(layout, wanted, locations_of)
+    rows = slab(layout.total)
+    raw = (rows, rows / 3) if stream else rows
+    value = (stream_value if stream else residual_value)(Toy())
+    together, alone = services(), services()
+    served = []
+    save_kept = serving._save_kept_together
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serving, "_save_kept_together",
+                      lambda *args: served.append(save_kept(*args)) or served[-1])
+        serving.serve(value, raw, plan.tokens, together)
+    assert served == [True]
+    (group,) = plan.tokens.wants["layers.0.layer_output"]
+    for want in group:
+        serving.serve_one(want, value, raw, layout, 1, alone)
+    collect = [(f"p-{want.request_id}", 100, {"layers.0.layer_output":
+                                              op.keeps(want.step.prompt_length)})
+               for want in group]
+    mine, theirs = together.store.collect(collect), alone.store.collect(collect)
+    assert mine.keys() == theirs.keys()
+    for program in mine:
+        assert mine[program].keys() == theirs[program].keys() == {"layers.0.layer_output"}
+        torch.testing.assert_close(mine[program]["layers.0.layer_output"],
+                                   theirs[program]["layers.0.layer_output"], rtol=0, atol=0)

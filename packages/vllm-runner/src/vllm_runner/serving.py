@@ -15,12 +15,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from tokenspan import ReadMode, RunRead, Selection, Span, StepLayout, lend, narrow, widen
+from tokenspan import token_axis as axis_along_tokens
 from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import non_finite_each, non_finite_error, refuse_non_finite
-from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, with_rows_kept
+from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, Save, with_rows_kept
 from vllm_runner.recorded_saves import GroupRecord, offsets_in
 from vllm_runner.save_arena import row_index
 from vllm_runner.store import SaveStore
@@ -41,6 +42,18 @@ class Want:
 PlannedRead = tuple[RunRead, list[tuple[str, int]]]
 
 
+@dataclass
+class KeptRows:
+    """The rows a group's filtered `Save` keeps this step (`_save_kept_together`), worked out
+    at its first visit: their slab rows (an index, moved to the value's device once), each
+    run's owner (program id, first position) and size, and the members that keep none."""
+
+    index: torch.Tensor
+    owners: list[tuple[str, int]]
+    sizes: list[int]
+    keep_none: list[Want]
+
+
 class OpGroup(list[Want]):
     """The wants of one op of one program this step (requests running the same program), and
     what is made at the group's first visit and kept for the rest of the step (a group acting at
@@ -48,7 +61,7 @@ class OpGroup(list[Want]):
     a save reads them all, `record`, where it keeps what it read (`recorded_saves`), and
     `selection`, their rows in the step."""
 
-    __slots__ = ("prompt_lengths", "reads", "record", "selection")
+    __slots__ = ("kept", "prompt_lengths", "reads", "record", "selection")
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +69,7 @@ class OpGroup(list[Want]):
         self.record: GroupRecord | None = None
         self.selection: Selection | None = None
         self.prompt_lengths: tuple[int, ...] | None = None
+        self.kept: KeptRows | None = None
 
     def selected(self, layout: StepLayout) -> Selection:
         """The members' rows in `layout` (the step's), made at the first visit."""
@@ -216,6 +230,9 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
         return False
     if isinstance(op, Call) and not op.rowwise:
         return _call_each(value, raw, members, layout, token_axis, services)
+    if isinstance(op, Save) and op.filtered:
+        return not services.keeps_saves or _save_kept_together(
+            op, value, raw, members, layout, token_axis, services.store)
     if (not op.shares_rows()
             or (store.any_failed and any(store.failed(want.program_id) for want in members))
             or not _served_at_every_step(value, members)):
@@ -249,6 +266,72 @@ def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     for (run, owners), whole in zip(plan, reads, strict=True):  # another axis than its record's
         store.save_rows(value.location, token_axis, owners, run.pieces(whole, token_axis))
     return True
+
+
+def _save_kept_together(op: Save, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+                        token_axis: int, store: SaveStore) -> bool:
+    """A `Save` with `positions` or `steps` on a group: the rows its members keep
+    (`RowOp.kept_runs`) taken out of the step with one gather, read, and each member's runs
+    kept as pieces of that (a probe of the prompt's last token at every layer of 64 requests:
+    one gather a layer, not 64 reads); a member that keeps no row gets an empty piece the first
+    time, as `Save.serve` does. `False` (the gather or read failed) leaves them to `serve_one`."""
+    if not _served_at_every_step(value, members):
+        return False
+    kept = members.kept
+    if kept is None:
+        kept = members.kept = _kept_rows(op, [want for want in members
+                                              if not passed_over(want, value, store.failed)])
+    try:
+        if kept.index.device != (device := _device_of(raw)):
+            kept.index = kept.index.to(device)
+        gathered = value.read(_rows_of(raw, kept.index, layout), members[0].step)
+    except Exception:
+        return False
+    if kept.owners:
+        store.save_rows(value.location, token_axis, kept.owners,
+                        list(gathered.split(kept.sizes, token_axis)))
+    for want in kept.keep_none:
+        if not store.has_saves(want.program_id, value.location):
+            store.save(want.program_id, value.location, want.span.first_position,
+                       gathered.narrow(token_axis, 0, 0), token_axis)
+    return True
+
+
+def _kept_rows(op: Save, wants: list[Want]) -> KeptRows:
+    """`KeptRows` of `wants` running `op`."""
+    rows: list[int] = []
+    owners: list[tuple[str, int]] = []
+    sizes: list[int] = []
+    keep_none = []
+    for want in wants:
+        span = want.span
+        runs = op.kept_runs(span.first_position, len(span), want.step.prompt_length)
+        if not runs:
+            keep_none.append(want)
+        for start, stop in runs:
+            rows.extend(range(span.start + start, span.start + stop))
+            owners.append((want.program_id, span.first_position + start))
+            sizes.append(stop - start)
+    return KeptRows(torch.tensor(rows, dtype=torch.long), owners, sizes, keep_none)
+
+
+def _device_of(raw: Any) -> torch.device:
+    """The device of the first tensor of what a hook saw."""
+    if isinstance(raw, torch.Tensor):
+        return raw.device
+    return next(item.device for item in raw if isinstance(item, torch.Tensor))
+
+
+def _rows_of(raw: Any, index: torch.Tensor, layout: StepLayout) -> Any:
+    """The rows `index` (slab rows) of every per-token tensor of what a hook saw (a tensor, or
+    a tuple of them: vLLM's stream in two halves), in that order."""
+    if isinstance(raw, torch.Tensor):
+        axis = axis_along_tokens(raw, layout)
+        return raw if axis is None else raw.index_select(axis, index)
+    if isinstance(raw, (tuple, list)):
+        items = [_rows_of(item, index, layout) for item in raw]
+        return type(raw)(*items) if hasattr(raw, "_fields") else type(raw)(items)
+    return raw
 
 
 def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: StepLayout,

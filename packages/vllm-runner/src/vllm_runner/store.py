@@ -121,6 +121,12 @@ class SaveStore:
         """Whether some program failed and was not collected yet."""
         return bool(self._errors)
 
+    def has_saves(self, program_id: str, location: str) -> bool:
+        """Whether `program_id` keeps anything at `location` yet (rows, or none: an op whose
+        `positions` were not reached keeps an empty piece so its name comes back)."""
+        kept = self._chunks.get(program_id)
+        return kept is not None and bool(kept.get(location))
+
     def failed(self, program_id: str) -> bool:
         """Whether `program_id`'s program has failed (it is served no more)."""
         return program_id in self._errors
