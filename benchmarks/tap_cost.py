@@ -8,7 +8,7 @@ little and the difference between generating with and without a `Save` at every 
 mostly our Python:
 
     python benchmarks/tap_cost.py [--requests 64] [--profile] [--shape thin-30]
-        [--op save|call|call-read|call-rowwise|lens|steer-decode]
+        [--op save|save-last|call|call-read|call-rowwise|lens|steer-decode]
 
 (in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
 benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost per tap call
@@ -18,8 +18,9 @@ whose function returns an edited copy (`value * 1.0`: read, edit, check, write b
 request), `--op call-read` one that only reads (nothing written): issue [K]'s `call` arm, whose
 cost is this per-request Python at every step. `--op call-rowwise` is `--op call` with
 `rowwise=True`: one call a step for every request; `--op lens` a logit lens (top 5) at every
-layer; `--op steer-decode` an `Add` on generated tokens only (`steps="decode"`). Results:
-docs/cuda-graphs-design.md.
+layer; `--op steer-decode` an `Add` on generated tokens only (`steps="decode"`); `--op
+save-last` a `Save` of the prompt's last token (`positions=(-1,)`, the usual probe: its cost
+falls on the prompts' steps). Results: docs/cuda-graphs-design.md.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ OPS = {"save": lambda ops, hidden: ops.Save("layers.*.layer_output"),
                                                     rowwise=True),
        "lens": lambda ops, hidden: ops.Lens("layers.*.layer_output", top_k=5),
        "steer-decode": lambda ops, hidden: ops.Add("layers.*.layer_output", hidden, 0.1,
-                                                   steps="decode")}
+                                                   steps="decode"),
+       "save-last": lambda ops, hidden: ops.Save("layers.*.layer_output", positions=(-1,))}
 
 
 def main() -> None:
