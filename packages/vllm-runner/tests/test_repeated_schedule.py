@@ -26,8 +26,10 @@ class Runtime:
 
     def program(self, data, prompt_length):
         self.looked_up.append(data["program_id"])
-        edits = (ops.Add("layers.0.layer_output", torch.ones(4)),) if self.editing else ()
-        return Program(data["program_id"], "digest", edits)
+        # A program that acts at every step (one with no op acts on no step past its prompt).
+        ops_run = (ops.Add("layers.0.layer_output", torch.ones(4)),) if self.editing else (
+            ops.Save("layers.0.layer_output"),)
+        return Program(data["program_id"], "digest", ops_run)
 
     def note_edits(self) -> None:
         self.edits_noted += 1

@@ -238,13 +238,17 @@ class Save(RowOp):
         """Keep the request's rows (on rank 0 only: the client collects from there)."""
         if not visit.services.keeps_saves:
             return
-        # Nothing kept this step: no rows, so that the location is saved (empty where no
-        # position it names is ever reached) and the store knows its axis.
-        reads = self.kept_reads(visit) or [(visit.want.span.first_position,
-                                            visit.read_rows(0, 0))]
+        store, program_id = visit.services.store, visit.want.program_id
+        reads = self.kept_reads(visit)
+        if not reads:  # nothing kept this step: no rows, saved once, so that the location
+            # comes back (empty where no position it names is ever reached) with its axis
+            if store.has_saves(program_id, visit.location) or visit.token_axis is None:
+                return
+            reads = [(visit.want.span.first_position,
+                      visit.read().narrow(visit.token_axis, 0, 0).clone())]
         for first_position, value in reads:
-            visit.services.store.save(visit.want.program_id, visit.location, first_position,
-                                      value, visit.token_axis, visit.fill)
+            store.save(program_id, visit.location, first_position, value, visit.token_axis,
+                       visit.fill)
 
 
 @dataclass(frozen=True)

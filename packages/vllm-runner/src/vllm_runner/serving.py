@@ -232,7 +232,7 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
         return _call_each(value, raw, members, layout, token_axis, services)
     if isinstance(op, Save) and op.filtered:
         return not services.keeps_saves or _save_kept_together(
-            op, value, raw, members, layout, token_axis, services.store)
+            op, value, raw, members, layout, token_axis, services)
     if (not op.shares_rows()
             or (store.any_failed and any(store.failed(want.program_id) for want in members))
             or not _served_at_every_step(value, members)):
@@ -269,31 +269,32 @@ def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
 
 
 def _save_kept_together(op: Save, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
-                        token_axis: int, store: SaveStore) -> bool:
+                        token_axis: int, services: Services) -> bool:
     """A `Save` with `positions` or `steps` on a group: the rows its members keep
     (`RowOp.kept_runs`) taken out of the step with one gather, read, and each member's runs
     kept as pieces of that (a probe of the prompt's last token at every layer of 64 requests:
-    one gather a layer, not 64 reads); a member that keeps no row gets an empty piece the first
-    time, as `Save.serve` does. `False` (the gather or read failed) leaves them to `serve_one`."""
+    one gather a layer, not 64 reads); a member that keeps no row is served alone the first
+    time (`Save.serve` keeps an empty piece). `False` (the gather or read failed) leaves them
+    to `serve_one`."""
     if not _served_at_every_step(value, members):
         return False
+    store = services.store
     kept = members.kept
     if kept is None:
         kept = members.kept = _kept_rows(op, [want for want in members
                                               if not passed_over(want, value, store.failed)])
-    try:
-        if kept.index.device != (device := _device_of(raw)):
-            kept.index = kept.index.to(device)
-        gathered = value.read(_rows_of(raw, kept.index, layout), members[0].step)
-    except Exception:
-        return False
     if kept.owners:
+        try:
+            if kept.index.device != (device := _device_of(raw)):
+                kept.index = kept.index.to(device)
+            gathered = value.read(_rows_of(raw, kept.index, layout), members[0].step)
+        except Exception:
+            return False
         store.save_rows(value.location, token_axis, kept.owners,
                         list(gathered.split(kept.sizes, token_axis)))
     for want in kept.keep_none:
         if not store.has_saves(want.program_id, value.location):
-            store.save(want.program_id, value.location, want.span.first_position,
-                       gathered.narrow(token_axis, 0, 0), token_axis)
+            serve_one(want, value, raw, layout, token_axis, services)
     return True
 
 
