@@ -3,6 +3,9 @@ plan of a few requests, and the serving services — no engine anywhere."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from tokenspan import StepLayout
 from torch import nn
@@ -11,7 +14,7 @@ from vllm_envoys.layouts import RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner.ops import Op
 from vllm_runner.program import Program
-from vllm_runner.serving import Services
+from vllm_runner.serving import Services, Visits
 from vllm_runner.step_plan import ScheduledRequest
 from vllm_runner.store import SaveStore
 
@@ -84,3 +87,18 @@ def cat_on_one_device(tensors, *args, **kwargs):
     devices = {tensor.device for tensor in tensors}
     assert len(devices) == 1, f"torch.cat of tensors on {devices}"
     return _TORCH_CAT(tensors, *args, **kwargs)
+
+
+def served_through(name: str, value: Value, raw: Any, visits: Visits, used: Services
+                   ) -> list[bool]:
+    """Serve `visits` at `value`'s location (`serving.serve`) and say what `serving.<name>` (a
+    way of serving a group together) answered each time it was asked: `[True]` when it served
+    the one group, `[]` when it was never asked."""
+    from vllm_runner import serving
+
+    answers: list[bool] = []
+    way = getattr(serving, name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serving, name, lambda *args: answers.append(way(*args)) or answers[-1])
+        serving.serve(value, raw, visits, used)
+    return answers

@@ -7,11 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from parts import HIDDEN, Toy, layout_of, residual_value, services, stream_value
+from parts import (
+    HIDDEN,
+    Toy,
+    layout_of,
+    residual_value,
+    served_through,
+    services,
+    stream_value,
+)
 from vllm_runner import ops, serving
 from vllm_runner.program import Program
 from vllm_runner.step_plan import ScheduledRequest, plan_step
@@ -71,12 +78,7 @@ def served(counts: list[int], firsts: list[int], chosen: list[str],
             for want in group:
                 serving.serve_one(want, value, raw, layout, 1, used)
     else:
-        together = []
-        call_each = serving._call_each
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(serving, "_call_each",
-                          lambda *args: together.append(call_each(*args)) or together[-1])
-            serving.serve(value, raw, plan.tokens, used)
+        together = served_through("_call_each", value, raw, plan.tokens, used)
         assert together == ([True] if len(chosen) > 1 else [])
     errors = {key: used.store.error(f"p-{key}") for key in chosen}
     return raw, errors, seen

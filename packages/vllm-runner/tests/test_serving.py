@@ -10,7 +10,15 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from parts import HIDDEN, Toy, layout_of, residual_value, scheduled, services
+from parts import (
+    HIDDEN,
+    Toy,
+    layout_of,
+    residual_value,
+    scheduled,
+    served_through,
+    services,
+)
 from vllm_runner import ops, serving
 from vllm_runner.hooks import Hooks
 from vllm_runner.step_plan import NOTHING_PLANNED, plan_step, sampled_rows
@@ -123,13 +131,8 @@ def test_filtered_edits_served_together_equal_each_request_served_alone(
     plan = plan_step(layout, wanted, locations_of)
     together, alone = slab(layout.total), slab(layout.total)
     value = residual_value(Toy())
-    served = []
-    edit_together = serving._edit_together
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(serving, "_edit_together",
-                      lambda *args: served.append(edit_together(*args)) or served[-1])
-        serving.serve(value, together, plan.tokens, services())
-    assert served == [True]  # together, not one by one
+    # together, not one by one
+    assert served_through("_edit_together", value, together, plan.tokens, services()) == [True]
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     for want in group:
         serving.serve_one(want, value, alone, layout, 1, services())
@@ -464,13 +467,7 @@ def test_filtered_saves_served_together_equal_each_request_served_alone(
     raw = (rows, rows / 3) if stream else rows
     value = (stream_value if stream else residual_value)(Toy())
     together, alone = services(), services()
-    served = []
-    save_kept = serving._save_kept_together
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(serving, "_save_kept_together",
-                      lambda *args: served.append(save_kept(*args)) or served[-1])
-        serving.serve(value, raw, plan.tokens, together)
-    assert served == [True]
+    assert served_through("_save_kept_together", value, raw, plan.tokens, together) == [True]
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     for want in group:
         serving.serve_one(want, value, raw, layout, 1, alone)
