@@ -270,7 +270,8 @@ def test_a_row_nobody_ablates_keeps_what_it_holds_even_infinities() -> None:
 def test_a_save_with_positions_takes_only_its_rows_from_the_ring() -> None:
     """A request saving its prompt's last token (`positions=(-1,)`, prompt length 5) keeps one
     row of its chunk in the arena, one saving positions -1 and -3 the rows from the one to the
-    other, one saving everything its whole chunk; each collects what the ring held there."""
+    other, one saving everything its whole chunk; each collects what the ring held there. One
+    whose position is never reached gets its name back with no rows."""
     module = nn.Identity()
     value: Any = Tapped(module, "first.out", Declared(Output(), Rows()))
     rows = in_graph_rows(value)
@@ -284,12 +285,16 @@ def test_a_save_with_positions_takes_only_its_rows_from_the_ring() -> None:
     last = ops.Save("first.out", positions=(-1,))
     two = ops.Save("first.out", positions=(-1, -3))
     every = ops.Save("first.out")
+    never = ops.Save("first.out", positions=(40,))
     rows.saves.take([[want("a", Span(0, 4, 1), last)], [want("b", Span(4, 7, 2), two)],
-                     [want("c", Span(7, 10, 0), every)]], lambda program: False, value, store)
+                     [want("c", Span(7, 10, 0), every)], [want("d", Span(7, 10, 0), never)]],
+                    lambda program: False, value, store)
     assert reserved == [1 + 3 + 3]
     saved = store.collect([ToCollect("program a", 5, {"first.out": last.keeps(5)}),
                            ToCollect("program b", 5, {"first.out": two.keeps(5)}),
-                           ToCollect("program c", 3, {"first.out": None})])
+                           ToCollect("program c", 3, {"first.out": None}),
+                           ToCollect("program d", 3, {"first.out": never.keeps(5)})])
+    assert saved["program d"]["first.out"].shape == (1, 0, WIDTH)  # its name, no rows
     assert torch.equal(saved["program a"]["first.out"], ring[[3]].unsqueeze(0))  # position 4
     assert torch.equal(saved["program b"]["first.out"], ring[[4, 6]].unsqueeze(0))  # 2 and 4
     assert torch.equal(saved["program c"]["first.out"], ring[7:10].unsqueeze(0))
