@@ -100,6 +100,12 @@ class Program:
         graphed as if the request had no program (`step_plan.acting`)."""
         return not any(op.acts_past_the_prompt() for op in self.ops)
 
+    def acts_at(self, prompt_length: int, first_position: int) -> bool:
+        """Whether a request running the program, with a prompt of `prompt_length` tokens, may
+        act at a step whose rows start at `first_position` (`prompt_only` programs: only while
+        the step holds prompt rows)."""
+        return first_position < prompt_length or not self.prompt_only
+
     def before_the_prompt(self, prompt_length: int) -> str | None:
         """Why the program can never run as written on a prompt of `prompt_length` tokens, or
         `None` (see `Op.before_the_prompt`)."""

@@ -326,12 +326,13 @@ class Runtime:
 
     def acts_at(self, data: ProgramData, prompt_length: int, first_position: int) -> bool:
         """Whether a request running `data` may act at a step whose rows start at
-        `first_position`: the rule of `step_plan.acting`, for the adapters' choice of the
-        step's graph before its rows are known (a program that does not decode: yes)."""
+        `first_position`: `Program.acts_at`, the rule of `step_plan.acting`, for the adapters'
+        choice of the step's graph before its rows are known (a program that does not decode:
+        yes)."""
         if first_position < prompt_length:
-            return True
+            return True  # no lookup: most steps of most requests end here or hold no program
         try:
-            return not self.programs.get(data).prompt_only
+            return self.programs.get(data).acts_at(prompt_length, first_position)
         except Exception:
             return True
 

@@ -229,7 +229,7 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     if token_axis is None or codec is None or not codec.rowwise:
         return False
     if isinstance(op, Call) and not op.rowwise:
-        return _call_each(value, raw, members, layout, token_axis, services)
+        return _call_each(op, value, raw, members, layout, token_axis, services)
     if isinstance(op, Save) and op.filtered:
         return not services.keeps_saves or _save_kept_together(
             op, value, raw, members, layout, token_axis, services)
@@ -300,7 +300,7 @@ def _save_kept_together(op: Save, value: Value, raw: Any, members: OpGroup, layo
 
 def _kept_rows(op: Save, wants: list[Want]) -> KeptRows:
     """`KeptRows` of `wants` running `op`."""
-    rows: list[int] = []
+    firsts: list[int] = []  # each run's first slab row
     owners: list[tuple[str, int]] = []
     sizes: list[int] = []
     keep_none = []
@@ -310,10 +310,10 @@ def _kept_rows(op: Save, wants: list[Want]) -> KeptRows:
         if not runs:
             keep_none.append(want)
         for start, stop in runs:
-            rows.extend(range(span.start + start, span.start + stop))
+            firsts.append(span.start + start)
             owners.append((want.program_id, span.first_position + start))
             sizes.append(stop - start)
-    return KeptRows(torch.tensor(rows, dtype=torch.long), owners, sizes, keep_none)
+    return KeptRows(torch.from_numpy(row_index(firsts, sizes)), owners, sizes, keep_none)
 
 
 def _device_of(raw: Any) -> torch.device:
@@ -476,8 +476,8 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
     return True
 
 
-def _call_each(value: Value, raw: Any, members: OpGroup, layout: StepLayout, token_axis: int,
-               services: Services) -> bool:
+def _call_each(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+               token_axis: int, services: Services) -> bool:
     """Plain (not `rowwise`) calls of a group: each member's own function on a private copy of
     its own rows, as `serve_one` runs it, but with the members' rows read once per run of
     adjacent rows, every result checked for NaN and infinity with one answer from the device
@@ -490,8 +490,7 @@ def _call_each(value: Value, raw: Any, members: OpGroup, layout: StepLayout, tok
     mode, where each function gets the engine's own rows, or a read that fails) leaves the
     members to `serve_one`."""
     store = services.store
-    mode = members[0].op.reads if isinstance(members[0].op, Call) else None
-    mode = mode or services.reads
+    mode = op.reads or services.reads  # one program: every member's op has the same fields
     if mode == "view":
         return False
     live = sorted((want for want in members if not passed_over(want, value, store.failed)),
@@ -504,12 +503,12 @@ def _call_each(value: Value, raw: Any, members: OpGroup, layout: StepLayout, tok
         return False
     edits: list[tuple[Want, torch.Tensor, str]] = []
     for want, copy in zip(live, copies, strict=True):
-        op = want.op
-        assert isinstance(op, Call)
+        mine = want.op  # the request's own function (unpickled per request)
+        assert isinstance(mine, Call)
         try:
             lent = lend(copy, "copy" if mode == "copy" else "lease", owned=True)
             length = want.step.prompt_length
-            edited = lent.written(op.run_user_code(
+            edited = lent.written(mine.run_user_code(
                 lent.value, CallContext(value.location, want.span, length, (length,))))
         except Exception as error:  # the user's function: its request fails alone
             _fail(want, value, error, store)

@@ -61,10 +61,10 @@ class SaveRing:
             span = want.span
             runs = op.kept_runs(span.first_position, len(span), want.step.prompt_length) \
                 if op.filtered else [(0, len(span))]
-            if not runs:  # no row this step: an empty piece once, so the name comes back
-                if not store.has_saves(want.program_id, self.location):
-                    store.save(want.program_id, self.location, span.first_position,
-                               self.ring.new_empty((1, 0, self.ring.shape[1])), 1)
+            if not runs:  # no row this step: an empty piece, so the name comes back (the
+                # store keeps it only where the location has nothing yet)
+                store.save(want.program_id, self.location, span.first_position,
+                           self.ring.new_empty((1, 0, self.ring.shape[1])), 1)
                 continue
             start, stop = runs[0][0], runs[-1][1]
             if (earlier := kept.get(want.program_id)) is not None:
