@@ -11,16 +11,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from vllm.config import CUDAGraphMode
-from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
+from vllm.v1.worker.gpu.cudagraph_utils import (
+    BatchExecutionDescriptor,
+    CudaGraphManager,
+    ModelCudaGraphManager,
+)
 from vllm_runner import ops, vllm_v2_runner
 from vllm_runner.ops import op_from_data
 from vllm_runner.program import EXTRA_ARGS_KEY, Program
 from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.step_plan import NO_ROWS
-from vllm_runner.vllm_v2_runner import RunnerV2Mixin, scheduled_step, step_graph
+from vllm_runner.vllm_v2_runner import RunnerV2Mixin, StepGraph, scheduled_step, step_graph
+from vllm_runner.vllm_v2_tap_graphs import TapBrokenGraphs
 
-OVERRIDDEN = ("load_model", "add_requests", "finish_requests", "update_requests",
-              "prepare_inputs", "execute_model")
+OVERRIDDEN = ("load_model", "initialize_kv_cache", "add_requests", "finish_requests",
+              "update_requests", "prepare_inputs", "execute_model")
 
 
 class FakeRuntime:
@@ -33,14 +38,15 @@ class FakeRuntime:
         self.module_tree, self.tap_python = module_tree, tap_python
         self.steps: list[tuple] = []
         self.ended = 0
-        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0}
+        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0, "tap_breaks": 0}
         self.store = SimpleNamespace(any_failed=False)
 
     def note_edits(self) -> None:
         pass
 
-    def count_forward(self, compiled: bool, programs: bool) -> None:
+    def count_forward(self, compiled: bool, programs: bool, tap_breaks: bool = False) -> None:
         self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
+        self.forwards["tap_breaks"] += tap_breaks
 
     def program(self, data, prompt_length):
         return Program(data["program_id"], "digest", tuple(
@@ -146,6 +152,12 @@ class V2Stub:
     def add_requests(self, scheduler_output) -> None:
         self.calls.append("add")
 
+    def initialize_kv_cache(self, kv_cache_config, is_profiling=False) -> None:
+        """V2 makes its graph manager here, for profiling and again for real."""
+        self.calls.append("kv cache")
+        self.cudagraph_manager = object.__new__(ModelCudaGraphManager)
+        self.cudagraph_manager.cudagraph_mode = self.cudagraph_mode
+
     def finish_requests(self, scheduler_output) -> None:
         self.calls.append("finish")
 
@@ -167,6 +179,7 @@ class V2Stub:
         self.prepare_inputs(scheduler_output)
         if chosen is not None and chosen.cg_mode != CUDAGraphMode.FULL:
             self._interp_before_forward(None, ())
+        self.broken_at_forward = getattr(manager, "interp_break_at_taps", None)
         return chosen
 
 
@@ -182,6 +195,7 @@ def runner(editing: bool, **runtime: bool) -> Runner:
     made.interp_compiles = made.interp.compiled  # type: ignore[attr-defined]
     made.interp_written, made.interp_editing = WrittenBlocks(), set()
     made.interp_programs, made.interp_in_step, made.interp_module_tree = {}, False, False
+    made.interp_tap_breaks = False
     made.interp_repeated = RepeatedSchedule()
     zeroed: list[list[int]] = []
     made._interp_zero_blocks = lambda ids: (zeroed.append(ids), made.calls.append("zero"))  # type: ignore[method-assign]
@@ -238,7 +252,8 @@ def test_the_step_ends_only_after_a_real_batch_was_prepared() -> None:
     made.execute_model(step)
     assert made.interp.ended == 1 and len(made.interp.steps) == 1  # type: ignore[attr-defined]
     # Counted once, as eager: this engine does not compile.
-    assert made.interp.forwards == {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 1}  # type: ignore[attr-defined]
+    assert made.interp.forwards == {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 1,  # type: ignore[attr-defined]
+                                    "tap_breaks": 0}
 
 
 def test_the_v2_runner_of_the_installed_vllm_has_every_method_the_adapter_wraps() -> None:
@@ -260,24 +275,27 @@ FULL, PIECES = descriptor(CUDAGraphMode.FULL), descriptor(CUDAGraphMode.PIECEWIS
 NONE = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.NONE, num_tokens=3, num_reqs=3)
 
 
-@pytest.mark.parametrize(("programs", "needs", "chosen", "again", "expected", "tree"), [
-    ([], "module tree", FULL, FULL, FULL, False),  # no program: V2's choice, untouched
-    (["p"], "", FULL, FULL, FULL, False),  # served inside the graph: a full graph replays
-    (["p"], "module tree", FULL, PIECES, NONE, True),  # hooks elsewhere: no graph, no compile
-    (["p"], "module tree", PIECES, PIECES, NONE, True),
-    (["p"], "tap python", FULL, PIECES, PIECES, False),  # the taps run between the pieces
-    (["p"], "tap python", PIECES, FULL, PIECES, False),
-    (["p"], "tap python", FULL, FULL, NONE, False),  # no piecewise graph: none at all
-    (["p"], "module tree", NONE, NONE, NONE, True),  # no graph, but compiled: skip that too
-    (["p"], "tap python", NONE, FULL, NONE, False),
+@pytest.mark.parametrize(("programs", "needs", "chosen", "again", "broken", "expected"), [
+    ([], "module tree", FULL, FULL, True, StepGraph(FULL)),  # no program: V2's choice, untouched
+    (["p"], "", FULL, FULL, True, StepGraph(FULL)),  # served inside the graph: it replays
+    # hooks elsewhere: no graph, no compiled forward
+    (["p"], "module tree", FULL, PIECES, True, StepGraph(NONE, module_tree=True)),
+    (["p"], "module tree", PIECES, PIECES, False, StepGraph(NONE, module_tree=True)),
+    # a tap's Python: the full graph broken at the taps where there is one
+    (["p"], "tap python", FULL, PIECES, True, StepGraph(FULL, tap_breaks=True)),
+    (["p"], "tap python", FULL, PIECES, False, StepGraph(PIECES)),  # else between the pieces
+    (["p"], "tap python", PIECES, FULL, True, StepGraph(PIECES)),
+    (["p"], "tap python", FULL, FULL, False, StepGraph(NONE)),  # no piecewise graph: none
+    (["p"], "module tree", NONE, NONE, False, StepGraph(NONE, module_tree=True)),
+    (["p"], "tap python", NONE, FULL, True, StepGraph(NONE)),
 ])
 def test_a_compiled_step_keeps_v2s_graph_unless_its_programs_need_the_module_tree_or_a_taps_python(
-        programs, needs, chosen, again, expected, tree) -> None:
+        programs, needs, chosen, again, broken, expected) -> None:
     runtime = FakeRuntime(compiled=True, module_tree=needs == "module tree",
                           tap_python=needs == "tap python")
-    picked, module_tree = step_graph(runtime, programs, chosen, 3, 3,  # type: ignore[arg-type]
-                                     lambda: again)
-    assert (picked, module_tree) == (expected, tree)
+    picked = step_graph(runtime, programs, chosen, 3, 3,  # type: ignore[arg-type]
+                        lambda: again, lambda descriptor: broken and descriptor == chosen)
+    assert picked == expected
 
 
 class FakeGraphs:
@@ -292,30 +310,45 @@ class FakeGraphs:
         return FULL if uniform_token_count is not None and max_query_len is not None else PIECES
 
 
-@pytest.mark.parametrize(("needs", "mode", "skipped", "counted"), [
-    ("module tree", CUDAGraphMode.NONE, True, "eager"),
-    ("tap python", CUDAGraphMode.PIECEWISE, False, "taps"),
-    ("", CUDAGraphMode.FULL, False, "taps"),
+class BrokenFakeGraphs(FakeGraphs, TapBrokenGraphs):
+    """The same, holding a full graph broken at the taps for `FULL` (`vllm_v2_tap_graphs`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interp_broken, self.interp_break_at_taps = {FULL: "broken"}, False
+
+
+@pytest.mark.parametrize(("needs", "graphs", "mode", "skipped", "counted", "broken"), [
+    ("module tree", FakeGraphs, CUDAGraphMode.NONE, True, "eager", None),
+    ("tap python", FakeGraphs, CUDAGraphMode.PIECEWISE, False, "taps", None),
+    ("", FakeGraphs, CUDAGraphMode.FULL, False, "taps", None),
+    ("tap python", BrokenFakeGraphs, CUDAGraphMode.FULL, False, "taps", True),
+    ("", BrokenFakeGraphs, CUDAGraphMode.FULL, False, "taps", False),
+    ("module tree", BrokenFakeGraphs, CUDAGraphMode.NONE, True, "eager", False),
 ])
 def test_a_compiled_step_with_programs_runs_the_graph_its_programs_allow(
-        monkeypatch: pytest.MonkeyPatch, needs: str, mode: CUDAGraphMode, skipped: bool,
-        counted: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, needs: str, graphs: type, mode: CUDAGraphMode,
+        skipped: bool, counted: str, broken: bool | None) -> None:
     """Through the mixin: V2's dispatch is asked through `step_graph` during the step only, a
-    step that needs the module tree skips vLLM's compiled forward as the model is called, and
-    the forward is counted by what it runs."""
+    step that needs the module tree skips vLLM's compiled forward as the model is called, a
+    step that needs a tap's Python replays the full graph broken at the taps where one was
+    captured, and the forward is counted by what it runs."""
     context = SimpleNamespace(skip_compiled=False)
     monkeypatch.setattr(vllm_v2_runner, "get_forward_context", lambda: context)
     made = runner(editing=False, compiled=True, module_tree=needs == "module tree",
                   tap_python=needs == "tap python")
-    graphs = made.cudagraph_manager = FakeGraphs()  # type: ignore[attr-defined]
+    manager = made.cudagraph_manager = graphs()  # type: ignore[attr-defined]
     made.add_requests(scheduler_output(new=[new_request("a", [1], "pa")]))
     step = batch(["a"], [1], [4])
     step.num_scheduled_tokens = {"a": 1}
     assert made.execute_model(step).cg_mode == mode
     assert context.skip_compiled is skipped
     assert made.interp.forwards[counted] == 1  # type: ignore[attr-defined]
-    assert "dispatch" not in vars(graphs)  # V2's own method again after the step
-    assert made.interp_module_tree is False
+    assert made.interp.forwards["tap_breaks"] == int(bool(broken))  # type: ignore[attr-defined]
+    assert made.broken_at_forward is broken  # type: ignore[attr-defined]
+    assert "dispatch" not in vars(manager)  # V2's own method again after the step
+    assert getattr(manager, "interp_break_at_taps", False) is False  # and its own graphs
+    assert made.interp_module_tree is False and made.interp_tap_breaks is False
 
 
 def test_v2s_graph_dispatch_still_takes_what_the_adapter_passes() -> None:
@@ -327,3 +360,20 @@ def test_v2s_graph_dispatch_still_takes_what_the_adapter_passes() -> None:
     fields = BatchExecutionDescriptor.__dataclass_fields__
     assert {"cg_mode", "num_tokens", "num_reqs", "uniform_token_count", "max_query_len"} <= set(
         fields)
+
+
+@pytest.mark.parametrize(("compiled", "taps", "mode", "breaks"), [
+    (True, {"layers.0.layer_output"}, CUDAGraphMode.FULL_AND_PIECEWISE, True),
+    (True, {"layers.0.layer_output"}, CUDAGraphMode.FULL_DECODE_ONLY, True),
+    (True, {"layers.0.layer_output"}, CUDAGraphMode.PIECEWISE, False),  # no full graph
+    (True, set(), CUDAGraphMode.FULL_AND_PIECEWISE, False),  # no tap: nothing to break at
+    (False, {"layers.0.layer_output"}, CUDAGraphMode.FULL, False),  # not compiled: no tap op
+])
+def test_v2s_graph_manager_captures_broken_full_graphs_where_taps_serve_a_compiled_engine(
+        compiled: bool, taps: set[str], mode: CUDAGraphMode, breaks: bool) -> None:
+    made = runner(editing=False, compiled=compiled)
+    made.interp.taps = taps  # type: ignore[attr-defined]
+    made.cudagraph_mode = mode  # type: ignore[attr-defined]
+    made.initialize_kv_cache(None, is_profiling=True)
+    assert isinstance(made.cudagraph_manager, TapBrokenGraphs) is breaks  # type: ignore[attr-defined]
+    assert isinstance(made.cudagraph_manager, ModelCudaGraphManager)  # type: ignore[attr-defined]

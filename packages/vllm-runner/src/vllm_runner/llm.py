@@ -259,7 +259,10 @@ class LLM:
         (`"in_graph"`: `ProjectOut`, `Add` and `Save` at residual-width taps, see
         `vllm_runner.in_graph`), and
         the plain module tree (`"eager"`: with `enforce_eager=False`, the steps whose programs
-        act somewhere no tap serves; an eager engine runs every step there)."""
+        act somewhere no tap serves; an eager engine runs every step there); and, of the
+        `"taps"` forwards, those that replayed a full CUDA graph broken at the taps
+        (`"tap_breaks"`: V2 on a GPU, see `vllm_runner.vllm_v2_tap_graphs`; the others ran the
+        piecewise graphs, or no graph where vLLM captured none)."""
         (answer, *_) = self._rpc("interp_forwards")
         return answer
 

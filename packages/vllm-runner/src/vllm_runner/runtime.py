@@ -112,7 +112,7 @@ class Runtime:
         #: path serving programs through their taps, or the plain module tree.
         #: `in_graph`: the compiled path, with every program's work inside the graph (steering
         #: and saves from buffers, no tap's Python).
-        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0}
+        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0, "tap_breaks": 0}
         self._tokens = self._sampled = NO_VISITS
         self._visited: set[str] = set()  # token-row locations whose hook ran this forward
         self._guard_logits = False
@@ -293,13 +293,14 @@ class Runtime:
 
     # ------------------------------------------------------------------ per step
 
-    def count_forward(self, compiled: bool, programs: bool) -> None:
+    def count_forward(self, compiled: bool, programs: bool, tap_breaks: bool = False) -> None:
         """Count one real forward (`forwards`), after `begin_step`: by whether it ran vLLM's
         compiled path and, if it did, whether its programs were served by the taps' Python or
-        inside the graph alone."""
+        inside the graph alone; and whether it replays a full graph broken at the taps."""
         in_graph = self._served_in_graph and not self._tokens.wants
         self.forwards["eager" if not compiled else "compiled" if not programs else
                       "in_graph" if in_graph else "taps"] += 1
+        self.forwards["tap_breaks"] += tap_breaks
 
     def needs_tap_python(self, programs: Sequence[Program]) -> bool:
         """Whether a step running `programs` has work at a tap that runs in the tap's Python

@@ -11,7 +11,8 @@ time: vLLM's compiled wrapper keeps no guards, so a value read while tracing is 
 The op declares that it mutates its tensors, as vLLM's own attention op does with its output
 buffer: an edit is written into the engine's rows in place, and the compiler orders every later
 use of those tensors after it. On a GPU the op is also listed in vLLM's `splitting_ops`, so the
-piecewise CUDA graphs are split around it and it runs between their replays.
+piecewise CUDA graphs are split around it and it runs between their replays, and it ends a
+graph segment where a full graph is captured broken at the taps (`tap_breaks`).
 
 The op's key is `locations|structure` (every tapped location at one module side, `;`-joined:
 one op per module side, see `install_taps`): `structure` describes the hook's raw value (a tensor, a
@@ -30,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from vllm_envoys import HookArgs, Value
+
+from vllm_runner.tap_breaks import break_at_tap
 
 #: The op's qualified name, as vLLM's `splitting_ops` lists operators.
 TAP_OP = "vllm_interp::tap"
@@ -68,6 +71,11 @@ def serve_taps(server: TapServer | None) -> None:
 
 
 def _run_tap(tensors: list[torch.Tensor], key: str) -> None:
+    if not break_at_tap(_serve_tap, tensors, key):  # a full graph broken here runs it later
+        _serve_tap(tensors, key)
+
+
+def _serve_tap(tensors: list[torch.Tensor], key: str) -> None:
     locations, structure = _parse_key(key)
     if not _serving:
         return

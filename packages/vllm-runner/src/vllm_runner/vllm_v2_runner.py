@@ -19,9 +19,11 @@ Where vLLM compiles the model (`enforce_eager=False`), the step's CUDA-graph cho
 (`cudagraph_manager.dispatch`, asked once per real step inside `execute_model`, after
 `add_requests`) except for steps with programs: none where a program acts at a location no tap
 serves — and the forward context's `skip_compiled`, the switch vLLM uses for encoder inputs, is
-set as the model is called, so the plain module tree and its hooks run — and no full graph where a
-tap's Python must run (the taps run between the piecewise graphs' pieces). The same rules as the
-V1 adapter's, at V2's own decision points.
+set as the model is called, so the plain module tree and its hooks run — and, where a tap's
+Python must run, V2's full graph replayed from a second capture broken at the taps
+(`vllm_v2_tap_graphs`; the piecewise graphs, whose pieces the taps run between, where none was
+captured). The same rules as the V1 adapter's, at V2's own decision points, except the broken
+full graphs, which V1 does not have: its steps with a tap's Python run the piecewise graphs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest, acting
 from vllm_runner.swapped import swapped
 from vllm_runner.vllm_v1_runner import blocks_of, handed_out_blocks
+from vllm_runner.vllm_v2_tap_graphs import break_at_taps, has_broken, tap_breaks_for
 
 #: A running request's program and its prompt's length, kept from when V2 added it.
 Kept = tuple[ProgramData, int]
@@ -80,24 +83,38 @@ def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept], batch: Any,
     return (layout, scheduled) if scheduled else (NO_ROWS, scheduled)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepGraph:
+    """What a compiled step runs: V2's descriptor, whether the plain module tree runs (no
+    compiled forward: hooks), and whether a full graph is replayed broken at the taps."""
+
+    descriptor: Any
+    module_tree: bool = False
+    tap_breaks: bool = False
+
+
 def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_tokens: int,
-               num_reqs: int, redispatch: Any) -> tuple[Any, bool]:
-    """The CUDA-graph descriptor a compiled step with `programs` runs, from V2's own choice
-    `chosen`, and whether the step must run the plain module tree: V2's choice where the graph
-    serves every program (or none runs); no graph where one acts at a location no tap serves;
-    else no full graph (a full graph replays the taps' kernels without their Python): V2's choice
-    for the batch as if it held a prefill (`redispatch()`, which rules out the full decode graphs),
-    or no graph if that too is full."""
+               num_reqs: int, redispatch: Any, broken: Any = lambda descriptor: False
+               ) -> StepGraph:
+    """What a compiled step with `programs` runs, from V2's own choice `chosen`: V2's choice
+    where the graph serves every program (or none runs); no graph where one acts at a location
+    no tap serves (the module tree runs); where a tap's Python must run in a full graph, that
+    graph broken at the taps if it was captured so (`broken(chosen)`), else V2's choice for the
+    batch as if it held a prefill (`redispatch()`, which rules out the full decode graphs: the
+    taps run between the piecewise graphs' pieces), or no graph if that too is full (a plain
+    full graph replays the taps' kernels without their Python)."""
     if not programs:
-        return chosen, False
+        return StepGraph(chosen)
     if runtime.needs_module_tree_for(programs):  # also where V2 picked no graph: still compiled
-        return (chosen if chosen.cg_mode == CUDAGraphMode.NONE
-                else _no_graph(chosen, num_tokens, num_reqs)), True
+        return StepGraph(chosen if chosen.cg_mode == CUDAGraphMode.NONE
+                         else _no_graph(chosen, num_tokens, num_reqs), module_tree=True)
     if chosen.cg_mode != CUDAGraphMode.FULL or not runtime.needs_tap_python_for(programs):
-        return chosen, False
+        return StepGraph(chosen)
+    if broken(chosen):
+        return StepGraph(chosen, tap_breaks=True)
     pieces = redispatch()
-    return (pieces if pieces.cg_mode != CUDAGraphMode.FULL
-            else _no_graph(chosen, num_tokens, num_reqs)), False
+    return StepGraph(pieces if pieces.cg_mode != CUDAGraphMode.FULL
+                     else _no_graph(chosen, num_tokens, num_reqs))
 
 
 def acting_programs(runtime: Runtime, programs: Mapping[str, Kept], scheduler_output: Any
@@ -145,16 +162,28 @@ class RunnerV2Mixin:
     interp_repeated: RepeatedSchedule
     interp_in_step: bool
     interp_module_tree: bool  # this step runs the plain module tree (`step_graph`)
+    interp_tap_breaks: bool  # this step replays a full graph broken at the taps (`step_graph`)
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)  # type: ignore[misc]
         load_runtime(self)
         self.interp_programs = {}  # V2 keeps no SamplingParams: the programs are kept here
         self.interp_repeated = RepeatedSchedule()
-        self.interp_in_step = self.interp_module_tree = False
+        self.interp_in_step = self.interp_module_tree = self.interp_tap_breaks = False
         if self.interp_compiles:
             self.get_model().register_forward_pre_hook(  # type: ignore[attr-defined]
                 self._interp_before_forward)
+        return result
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        """V2's own (which makes its CUDA-graph manager, for profiling and again for real),
+        then, where taps serve a compiled engine with full graphs, that manager also captures
+        its full graphs broken at the taps (`vllm_v2_tap_graphs`)."""
+        result = super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
+        manager: Any = getattr(self, "cudagraph_manager", None)
+        if (manager is not None and self.interp_compiles and self.interp.taps
+                and manager.cudagraph_mode.has_full_cudagraphs()):
+            break_at_taps(manager)
         return result
 
     def _interp_before_forward(self, *_: Any) -> None:
@@ -227,7 +256,7 @@ class RunnerV2Mixin:
                                            self.interp_repeated)
         self.interp.begin_step(layout, scheduled)
         self.interp.count_forward(compiled=self.interp_compiles and not self.interp_module_tree,
-                                  programs=bool(scheduled))
+                                  programs=bool(scheduled), tap_breaks=self.interp_tap_breaks)
         self.interp_in_step = True
         return batch
 
@@ -240,7 +269,7 @@ class RunnerV2Mixin:
                 return super().execute_model(  # type: ignore[misc]
                     scheduler_output, *args, **kwargs)
         finally:
-            self.interp_module_tree = False
+            self.interp_module_tree = self.interp_tap_breaks = False
             if self.interp_in_step:
                 self.interp_in_step = False
                 self.interp.end_step()
@@ -256,15 +285,20 @@ class RunnerV2Mixin:
             return
         dispatch = manager.dispatch
 
-        def interp_dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
-                            *args: Any, **kwargs: Any) -> Any:
-            chosen = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
-            programs = acting_programs(self.interp, self.interp_programs, scheduler_output)
-            chosen, self.interp_module_tree = step_graph(
-                self.interp, programs, chosen, num_tokens, num_reqs,
-                lambda: dispatch(num_reqs, num_tokens, None, *args,
-                                 **{**kwargs, "max_query_len": None}))
-            return chosen
+        with tap_breaks_for(manager) as mark_tap_breaks:
+            def interp_dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
+                                *args: Any, **kwargs: Any) -> Any:
+                chosen = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+                programs = acting_programs(self.interp, self.interp_programs, scheduler_output)
+                graph = step_graph(
+                    self.interp, programs, chosen, num_tokens, num_reqs,
+                    lambda: dispatch(num_reqs, num_tokens, None, *args,
+                                     **{**kwargs, "max_query_len": None}),
+                    lambda descriptor: has_broken(manager, descriptor))
+                self.interp_module_tree = graph.module_tree
+                self.interp_tap_breaks = graph.tap_breaks
+                mark_tap_breaks(graph.tap_breaks)
+                return graph.descriptor
 
-        with swapped(manager, "dispatch", interp_dispatch):
-            yield
+            with swapped(manager, "dispatch", interp_dispatch):
+                yield

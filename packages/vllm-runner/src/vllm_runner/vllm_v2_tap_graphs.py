@@ -1,0 +1,126 @@
+"""V2's full CUDA graphs captured a second time, broken at the taps (`tap_breaks`), and
+replayed for the steps whose programs need a tap's Python.
+
+V2's `ModelCudaGraphManager` captures every full graph in `CudaGraphManager.capture` from a
+factory of capture forwards, and replays one in `run_fullgraph`. `TapBrokenGraphs` sits between
+the two classes (`break_at_taps` gives one manager the class with it), so it receives the same
+factory: after V2's own capture it captures each full-graph descriptor again, into the same
+memory pool, through the same forward (which copies the output into the manager's persistent
+hidden states, where `run_fullgraph` reads it), and `run_fullgraph` replays that capture on the
+steps the adapter marks (`tap_breaks_for`). Every other step replays V2's own graph, untouched.
+
+Read in vLLM 0.33 (`vllm/v1/worker/gpu/cudagraph_utils.py`); 0.32's CPU wheel has the same
+names but runs no V2 there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from functools import cache
+from typing import Any
+
+import torch
+from vllm.compilation.cudagraph_pool import capture_pool
+from vllm.config import CUDAGraphMode
+from vllm.distributed.parallel_state import graph_capture
+from vllm.model_executor.offloader.base import get_offloader
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+from vllm_runner.tap_breaks import capture_broken
+
+
+class TapBrokenGraphs(CudaGraphManager):
+    """A V2 graph manager that also keeps its full graphs broken at the taps."""
+
+    interp_broken: dict[Any, Any]  # descriptor -> its capture broken at the taps
+    interp_break_at_taps: bool  # this step replays the broken capture (`tap_breaks_for`)
+
+    def capture(self, create_forward_fn: Any, *args: Any, **kwargs: Any) -> None:
+        """V2's own capture, then every full-graph descriptor's again, broken at the taps."""
+        super().capture(create_forward_fn, *args, **kwargs)
+        self._interp_capture_broken(create_forward_fn)
+
+    @torch.inference_mode()
+    def _interp_capture_broken(self, create_forward_fn: Any) -> None:
+        descriptors = [descriptor for descriptor in self._capture_descs.get(CUDAGraphMode.FULL, [])
+                       if getattr(descriptor, "num_ubatches", 1) == 1]
+        if self._max_full_descs_to_capture is not None:  # V2 profiles a sample of them
+            descriptors = descriptors[: self._max_full_descs_to_capture]
+        samples = self._capture_mem_samples
+        with graph_capture(device=self.device):
+            for index, descriptor in enumerate(descriptors):
+                forward_fn = create_forward_fn(descriptor, warmup=False)
+
+                def forward(run: Callable[[CUDAGraphMode], None] = forward_fn) -> None:
+                    run(CUDAGraphMode.FULL)  # attention stays in the graph: see `tap_breaks`
+                    get_offloader().join_after_forward()
+
+                get_offloader().sync_prev_onload()
+                free_before = free_memory() if samples is not None else 0
+                with capture_pool(self.pool, self.vllm_config) as pool:
+                    self.interp_broken[descriptor] = capture_broken(forward, pool)
+                if samples is not None and index < len(samples):
+                    # V2 extrapolates the full graphs' memory from its samples: count both sets
+                    samples[index] += free_before - free_memory()
+
+    def run_fullgraph(self, desc: Any) -> Any:
+        """Replay the full graph of `desc`: broken at the taps where the step asks for it."""
+        broken = self.interp_broken.get(desc) if self.interp_break_at_taps else None
+        if broken is None:
+            return super().run_fullgraph(desc)
+        get_offloader().sync_prev_onload()
+        broken.replay()
+        return None
+
+    def release_graphs(self) -> None:
+        """V2's own, and the broken captures with them (they hold the same stale pointers)."""
+        super().release_graphs()
+        self.interp_broken.clear()
+
+    def interp_has_broken(self, desc: Any) -> bool:
+        """Whether a full graph broken at the taps was captured for `desc`."""
+        return desc in self.interp_broken
+
+
+def break_at_taps(manager: Any) -> None:
+    """Give V2's graph manager `manager` (not yet captured) the broken captures: its class
+    becomes one with `TapBrokenGraphs` between it and `CudaGraphManager`."""
+    if isinstance(manager, TapBrokenGraphs):
+        return
+    manager_class: Any = type(manager)
+    manager.__class__ = _with_breaks(manager_class)
+    manager.interp_broken = {}
+    manager.interp_break_at_taps = False
+
+
+@cache
+def _with_breaks(manager_class: type) -> type:
+    if manager_class is CudaGraphManager:
+        return TapBrokenGraphs
+    return type(f"TapBroken{manager_class.__name__}", (manager_class, TapBrokenGraphs), {})
+
+
+def has_broken(manager: Any, desc: Any) -> bool:
+    """Whether `manager` replays `desc` broken at the taps when asked (`tap_breaks_for`)."""
+    return isinstance(manager, TapBrokenGraphs) and manager.interp_has_broken(desc)
+
+
+@contextlib.contextmanager
+def tap_breaks_for(manager: Any) -> Iterator[Callable[[bool], None]]:
+    """Within the block, `mark(True)` makes `manager`'s full-graph replays broken at the taps;
+    after it, its replays are V2's own graphs again."""
+    def mark(breaks: bool) -> None:
+        if isinstance(manager, TapBrokenGraphs):
+            manager.interp_break_at_taps = breaks
+
+    try:
+        yield mark
+    finally:
+        mark(False)
+
+
+def free_memory() -> int:
+    """The device's free memory once its work is done (what V2's profiling samples measure)."""
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
