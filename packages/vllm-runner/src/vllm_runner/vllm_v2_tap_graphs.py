@@ -16,18 +16,23 @@ names but runs no V2 there.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 
 import torch
+from tqdm import tqdm
 from vllm.compilation.cudagraph_pool import capture_pool
 from vllm.config import CUDAGraphMode
-from vllm.distributed.parallel_state import graph_capture
+from vllm.distributed.parallel_state import graph_capture, is_global_first_rank
 from vllm.model_executor.offloader.base import get_offloader
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
 from vllm_runner.tap_breaks import capture_broken
+
+logger = logging.getLogger("vllm.interp")
 
 
 class TapBrokenGraphs(CudaGraphManager):
@@ -48,8 +53,11 @@ class TapBrokenGraphs(CudaGraphManager):
         if self._max_full_descs_to_capture is not None:  # V2 profiles a sample of them
             descriptors = descriptors[: self._max_full_descs_to_capture]
         samples = self._capture_mem_samples
+        started = time.perf_counter()
         with graph_capture(device=self.device):
-            for index, descriptor in enumerate(descriptors):
+            for index, descriptor in enumerate(tqdm(
+                    descriptors, desc="Capturing CUDA graphs (FULL, broken at the taps)",
+                    disable=not is_global_first_rank())):
                 forward_fn = create_forward_fn(descriptor, warmup=False)
 
                 def forward(run: Callable[[CUDAGraphMode], None] = forward_fn) -> None:
@@ -63,6 +71,9 @@ class TapBrokenGraphs(CudaGraphManager):
                 if samples is not None and index < len(samples):
                     # V2 extrapolates the full graphs' memory from its samples: count both sets
                     samples[index] += free_before - free_memory()
+        logger.info("vllm-runner: %d full graphs captured again, broken at the taps, in %.1f s "
+                    "(replayed where a step's programs need a tap's Python)", len(descriptors),
+                    time.perf_counter() - started)
 
     def run_fullgraph(self, desc: Any) -> Any:
         """Replay the full graph of `desc`: broken at the taps where the step asks for it."""
