@@ -106,7 +106,10 @@ def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
     where checking each alone waits once a request."""
     if not edits:
         return []
-    totals = torch.stack([edit.sum(dtype=torch.float32) for edit in edits]).tolist()
+    # One multi-tensor kernel for every edit's sum of magnitudes (where a sum a request would
+    # launch one kernel each): NaN or infinity in an edit makes its total so; a total that
+    # overflows from finite values is looked at closely by `non_finite`.
+    totals = torch.stack(torch._foreach_norm(list(edits), 1, dtype=torch.float32)).tolist()
     return [0 if math.isfinite(total) else non_finite(edit, location == "logits")
             for total, edit in zip(totals, edits, strict=True)]
 

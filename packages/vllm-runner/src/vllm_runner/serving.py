@@ -497,8 +497,9 @@ def _call_each(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepL
                   key=lambda want: want.span.start)
     try:
         with torch.inference_mode(False):  # private copies that count their in-place edits
-            copies = [piece.clone() for run, whole in _read_runs(value, raw, live, layout)
-                      for piece in whole.split([len(want.span) for want in run], token_axis)]
+            copies = private_copies([
+                piece for run, whole in _read_runs(value, raw, live, layout)
+                for piece in whole.split([len(want.span) for want in run], token_axis)])
     except Exception:
         return False
     edits: list[tuple[Want, torch.Tensor, str]] = []
@@ -522,6 +523,15 @@ def _call_each(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepL
             _write_one(want, value, raw, edited, what, layout, store)
     _write_checked(edits, value, raw, layout, token_axis, store)
     return True
+
+
+def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of each piece in memory of its own (a function handed one cannot reach another
+    request's rows through its storage), made by one multi-tensor kernel where a `clone` each
+    would launch one a request."""
+    copies = [torch.empty_like(piece) for piece in pieces]
+    torch._foreach_copy_(copies, pieces)
+    return copies
 
 
 def _read_runs(value: Value, raw: Any, wants: list[Want], layout: StepLayout
