@@ -511,7 +511,8 @@ def render(arguments: argparse.Namespace, arms: list[str], timings: Timings,
         "`taps` counts compiled forwards whose programs were served by taps' Python; "
         "`in_graph` those served from the graph's buffers alone (arms b, d, e at the middle "
         "layer); `eager` the forwards of steps whose programs acted where no tap serves (the "
-        "`untapped` arm's).",
+        "`untapped` arm's); `tap_breaks` those of the `taps` forwards that replayed a full "
+        "CUDA graph broken at the taps (the rest ran the piecewise graphs).",
     ]
     lines += [
         "",

@@ -348,6 +348,7 @@ def test_a_save_beside_steering_at_one_tap_sees_what_its_order_says(
     run = ours[name]
     other = "taps" if path == "in_graph" else "in_graph"
     assert run["forwards"]["eager"] == run["forwards"][other] == 0 < run["forwards"][path]
+    edited_in_broken_graphs(run, path)
     steer = ops.Add("layers.1.layer_output", STEER, scale=8.0)
     save = ops.Save("layers.*.layer_output")
     program = [steer, save] if path == "in_graph" else [save, steer]
@@ -357,6 +358,14 @@ def test_a_save_beside_steering_at_one_tap_sees_what_its_order_says(
     assert mine["saved"].keys() == eager[0].saved.keys()
     for location, value in mine["saved"].items():
         close(value, eager[0].saved[location], f"{location} against the eager engine")
+
+
+def edited_in_broken_graphs(run: dict[str, Any], path: str) -> None:
+    """Where a tap's Python edits (`taps`), the decode steps replayed full graphs broken at the
+    taps wherever those exist (V2 on a GPU), so the values compared with the eager engine's
+    went through them: the graph segments after a tap read what its Python wrote."""
+    breaks = run["forwards"]["tap_breaks"]
+    assert (breaks > 0) if (TAP_BREAKS and path == "taps") else breaks == 0
 
 
 ABLATED = {
@@ -382,6 +391,7 @@ def test_ablation_from_the_graph_equals_the_eager_engines_and_leaves_the_others_
     run = ours[name]
     other = "taps" if path == "in_graph" else "in_graph"
     assert run["forwards"]["eager"] == run["forwards"][other] == 0 < run["forwards"][path]
+    edited_in_broken_graphs(run, path)
     eager = steered_on_the_eager_engine(llm, programs)
     for mine, theirs in zip(run["outputs"], eager, strict=True):
         as_the_eager_engine(mine, theirs)

@@ -53,29 +53,49 @@ class Server:
         self.served.append((location, raw))
 
 
-@pytest.fixture
-def capturing(monkeypatch: pytest.MonkeyPatch):
-    """A breakable capture active on this thread, its stream capturing; references to tensors
-    kept as they are (vLLM's weak references need its CUDA extension)."""
+@pytest.fixture(params=["ours", "vllm's"])
+def capturing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A breakable capture active on this thread — ours (`TapBrokenCapture`) or vLLM's own
+    (a user's `VLLM_USE_BREAKABLE_CUDAGRAPH=1`) — its stream capturing; references to tensors
+    made by a recorder (vLLM's weak references need its CUDA extension)."""
     capture = FakeCapture()
-    monkeypatch.setattr(BreakableCUDAGraphCapture._tls, "active", capture, raising=False)
+    registry = (tap_breaks.TapBrokenCapture if request.param == "ours"
+                else BreakableCUDAGraphCapture)
+    monkeypatch.setattr(registry._tls, "active", capture, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(tap_breaks, "weak_ref_tensor", lambda tensor: tensor)
+    capture.weak = []
+    monkeypatch.setattr(tap_breaks, "weak_ref_tensor",
+                        lambda tensor: capture.weak.append(tensor) or tensor)
     yield capture
     taps.serve_taps(None)
 
 
 def test_a_tap_met_during_a_breakable_capture_ends_the_segment_and_runs_at_every_replay(
         capturing: FakeCapture) -> None:
-    value = torch.arange(4.0)
+    residual, hidden = torch.arange(4.0), torch.ones(4)
     server = Server()
-    torch.ops.vllm_interp.tap([value], "layers.0.layer_output|T")
+    torch.ops.vllm_interp.tap([residual, hidden], "layers.0.layer_output|(T,T,)")
     assert len(capturing.recorded) == 1 and server.served == []  # nobody served at capture
+    # Each tensor held through a reference that does not keep the graph's memory alive.
+    assert [id(tensor) for tensor in capturing.weak] == [id(residual), id(hidden)]
     taps.serve_taps(server)
     capturing.replay()
     capturing.replay()
     assert [location for location, _ in server.served] == ["layers.0.layer_output"] * 2
-    assert all(raw is value for _, raw in server.served)  # the capture's own tensor, in place
+    for _, raw in server.served:  # the capture's own tensors, to be edited in place
+        assert raw[0] is residual and raw[1] is hidden
+
+
+def test_a_capture_of_vllms_own_breaks_is_not_one_that_vllms_breaks_see() -> None:
+    """Attention and vLLM's other marked ops break where `BreakableCUDAGraphCapture.current()`
+    names a capture: ours is registered apart, so they stay inside the graph."""
+    ours = tap_breaks.TapBrokenCapture()
+    tap_breaks.TapBrokenCapture._tls.active = ours
+    try:
+        assert tap_breaks.TapBrokenCapture.current() is ours
+        assert BreakableCUDAGraphCapture.current() is None
+    finally:
+        tap_breaks.TapBrokenCapture._tls.active = None
 
 
 def test_a_tap_outside_a_capture_is_served_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,6 +107,22 @@ def test_a_tap_outside_a_capture_is_served_at_once(monkeypatch: pytest.MonkeyPat
         taps.serve_taps(None)
     assert [location for location, _ in server.served] == ["layers.1.layer_output"]
     assert tap_breaks.break_at_tap(lambda *_: None, [], "") is False
+
+
+def test_a_tap_whose_stream_is_not_capturing_is_served_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture object is current but the stream records nothing (between its segments, or
+    a forward run eagerly inside one): the tap runs now, and nothing is recorded."""
+    capture = FakeCapture()
+    monkeypatch.setattr(tap_breaks.TapBrokenCapture._tls, "active", capture, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    server = Server()
+    taps.serve_taps(server)
+    try:
+        torch.ops.vllm_interp.tap([torch.ones(2)], "layers.1.layer_output|T")
+    finally:
+        taps.serve_taps(None)
+    assert capture.recorded == [] and len(server.served) == 1
 
 
 def descriptor(mode: CUDAGraphMode, tokens: int) -> BatchExecutionDescriptor:
@@ -119,10 +155,12 @@ class V2Graphs:
 
 def made(monkeypatch: pytest.MonkeyPatch, samples: list[int] | None = None) -> Any:
     """A `ModelCudaGraphManager` made without vLLM's constructor, given the broken captures;
-    CUDA's capture machinery replaced by recorders."""
+    CUDA's capture machinery replaced by recorders, the device's free memory falling only while
+    a broken capture runs (by 100 bytes a token of its descriptor)."""
     manager: Any = object.__new__(ModelCudaGraphManager)
     vars(manager).update(vars(V2Graphs(samples)))
     manager.forwards = []
+    manager.free = 10_000
 
     def v2_capture(self, create_forward_fn, progress_bar_desc="") -> None:
         for desc in self._capture_descs[CUDAGraphMode.FULL]:  # V2's own: run plain
@@ -133,12 +171,12 @@ def made(monkeypatch: pytest.MonkeyPatch, samples: list[int] | None = None) -> A
                         lambda device: contextlib.nullcontext())
     monkeypatch.setattr(vllm_v2_tap_graphs, "capture_pool",
                         lambda pool, config: contextlib.nullcontext(pool))
-    free = iter(range(10_000, 0, -100))
-    monkeypatch.setattr(vllm_v2_tap_graphs, "free_memory", lambda: next(free))
+    monkeypatch.setattr(vllm_v2_tap_graphs, "free_memory", lambda: manager.free)
 
     def capture_broken(forward, pool):
         forward()
         tokens = manager.forwards[-1][0]
+        manager.free -= 100 * tokens
         return SimpleNamespace(replay=lambda: manager.replayed.append(f"broken {tokens}"),
                                pool=pool)
 
@@ -166,10 +204,10 @@ def test_v2s_full_graphs_are_captured_again_broken_through_its_own_capture_forwa
     assert type(manager).__mro__[1:4] == (ModelCudaGraphManager, TapBrokenGraphs,
                                           CudaGraphManager)
     v2_captures(manager)
-    # V2's own captures first, then each full descriptor again, run as a full graph's forward
-    # (attention's own breaks stand aside), into V2's pool; piecewise descriptors are not.
+    # V2's own captures first, then each full descriptor again, its forward run as V2 runs its
+    # own capture's (no graph in the forward context), into V2's pool; piecewise ones are not.
     assert manager.forwards == [(8, CUDAGraphMode.NONE), (4, CUDAGraphMode.NONE),
-                                (8, CUDAGraphMode.FULL), (4, CUDAGraphMode.FULL)]
+                                (8, CUDAGraphMode.NONE), (4, CUDAGraphMode.NONE)]
     assert set(manager.interp_broken) == {FULL_8, FULL_4}
     assert has_broken(manager, FULL_4) and not has_broken(manager, PIECES_8)
     assert manager.interp_broken[FULL_8].pool == "pool"
@@ -179,16 +217,20 @@ def test_a_replay_is_broken_at_the_taps_only_on_a_step_marked_so(
         monkeypatch: pytest.MonkeyPatch) -> None:
     manager = made(monkeypatch)
     v2_captures(manager)
-    plain = manager.run_fullgraph(FULL_4)
-    with vllm_v2_tap_graphs.tap_breaks_for(manager) as mark:
+    counted: list[str] = []
+    manager.run_fullgraph(FULL_4)
+    with vllm_v2_tap_graphs.tap_breaks_for(manager, lambda: counted.append("replayed")) as mark:
+        manager.run_fullgraph(FULL_8)  # not marked yet: V2's own
         mark(True)
         broken = manager.run_fullgraph(FULL_4)
-    after = manager.run_fullgraph(FULL_4)
-    assert manager.replayed == ["v2 4", "broken 4", "v2 4"]
-    # Both return V2's persistent hidden states (the broken forward copied its output there).
-    assert plain.data_ptr() == broken.data_ptr() == after.data_ptr()
-    assert broken.shape == (4,)
-    assert manager.interp_break_at_taps is False
+        mark(False)
+        manager.run_fullgraph(FULL_4)
+        mark(True)
+    manager.run_fullgraph(FULL_4)  # after the block: V2's own again, whatever was marked
+    assert manager.replayed == ["v2 4", "v2 8", "broken 4", "v2 4", "v2 4"]
+    assert counted == ["replayed"]  # each broken replay counted, nothing else
+    # V2's persistent hidden states, where the broken capture's forward copied its output.
+    assert broken.data_ptr() == manager.hidden_states.data_ptr() and broken.shape == (4,)
     manager.release_graphs()  # V2 drops its graphs (their pointers went stale): ours too
     assert manager.interp_broken == {} and manager.graphs == {}
 
@@ -196,18 +238,57 @@ def test_a_replay_is_broken_at_the_taps_only_on_a_step_marked_so(
 def test_v2s_profiling_counts_the_broken_captures_in_its_memory_samples(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """V2 profiles a sample of its full graphs and extrapolates; each broken capture's memory
-    is added to its descriptor's sample, so the extrapolation covers both sets."""
+    is added to its own descriptor's sample, so the extrapolation covers both sets."""
     samples = [1_000, 50]
     manager = made(monkeypatch, samples)
     manager._max_full_descs_to_capture = 1
     v2_captures(manager)
     assert set(manager.interp_broken) == {FULL_8}  # the sample only, as V2's own
-    assert samples == [1_100, 50]
+    assert samples == [1_800, 50]
+    samples = [1_000, 50]
+    manager = made(monkeypatch, samples)
+    manager._max_full_descs_to_capture = 2
+    v2_captures(manager)
+    assert samples == [1_800, 450]
 
 
-def test_a_manager_given_the_broken_captures_twice_keeps_one_set(
+def test_microbatched_descriptors_keep_the_pieces_and_the_samples_stay_aligned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """V2 sorts a microbatched (DBO) twin right after its descriptor and samples that list;
+    the twin gets no broken capture, and the next descriptor's memory still lands in its own
+    sample."""
+    twin = BatchExecutionDescriptor(cg_mode=CUDAGraphMode.FULL, num_tokens=8, num_reqs=8,
+                                    uniform_token_count=1, max_query_len=1, num_ubatches=2)
+    samples = [1_000, 60, 50]
+    manager = made(monkeypatch, samples)
+    manager._capture_descs[CUDAGraphMode.FULL] = [FULL_8, twin, FULL_4]
+    v2_captures(manager)
+    assert set(manager.interp_broken) == {FULL_8, FULL_4}
+    assert samples == [1_800, 60, 450]
+
+
+def test_a_failed_broken_capture_leaves_v2s_graphs_and_no_broken_one(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    manager = made(monkeypatch)
+    calls = 0
+
+    def fails_second(forward, pool):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return SimpleNamespace(replay=lambda: None)
+
+    monkeypatch.setattr(vllm_v2_tap_graphs, "capture_broken", fails_second)
+    v2_captures(manager)
+    assert manager.interp_broken == {} and not has_broken(manager, FULL_8)
+    assert "could not be captured" in caplog.text
+
+
+def test_a_manager_given_the_broken_captures_twice_keeps_its_captures(
         monkeypatch: pytest.MonkeyPatch) -> None:
     manager = made(monkeypatch)
+    v2_captures(manager)
     before = type(manager)
     break_at_taps(manager)
-    assert type(manager) is before and manager.interp_broken == {}
+    assert type(manager) is before and set(manager.interp_broken) == {FULL_8, FULL_4}

@@ -44,9 +44,11 @@ class FakeRuntime:
     def note_edits(self) -> None:
         pass
 
-    def count_forward(self, compiled: bool, programs: bool, tap_breaks: bool = False) -> None:
+    def count_forward(self, compiled: bool, programs: bool) -> None:
         self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
-        self.forwards["tap_breaks"] += tap_breaks
+
+    def count_tap_break(self) -> None:
+        self.forwards["tap_breaks"] += 1
 
     def program(self, data, prompt_length):
         return Program(data["program_id"], "digest", tuple(
@@ -179,7 +181,8 @@ class V2Stub:
         self.prepare_inputs(scheduler_output)
         if chosen is not None and chosen.cg_mode != CUDAGraphMode.FULL:
             self._interp_before_forward(None, ())
-        self.broken_at_forward = getattr(manager, "interp_break_at_taps", None)
+        elif chosen is not None and hasattr(manager, "run_fullgraph"):
+            manager.run_fullgraph(chosen)
         return chosen
 
 
@@ -195,7 +198,6 @@ def runner(editing: bool, **runtime: bool) -> Runner:
     made.interp_compiles = made.interp.compiled  # type: ignore[attr-defined]
     made.interp_written, made.interp_editing = WrittenBlocks(), set()
     made.interp_programs, made.interp_in_step, made.interp_module_tree = {}, False, False
-    made.interp_tap_breaks = False
     made.interp_repeated = RepeatedSchedule()
     zeroed: list[list[int]] = []
     made._interp_zero_blocks = lambda ids: (zeroed.append(ids), made.calls.append("zero"))  # type: ignore[method-assign]
@@ -311,11 +313,15 @@ class FakeGraphs:
 
 
 class BrokenFakeGraphs(FakeGraphs, TapBrokenGraphs):
-    """The same, holding a full graph broken at the taps for `FULL` (`vllm_v2_tap_graphs`)."""
+    """The same, holding V2's full graph for `FULL` and one broken at the taps
+    (`vllm_v2_tap_graphs`), each recording its replays."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.interp_broken, self.interp_break_at_taps = {FULL: "broken"}, False
+        self.replayed: list[str] = []
+        self.graphs = {FULL: SimpleNamespace(replay=lambda: self.replayed.append("v2"))}
+        self.interp_broken = {FULL: SimpleNamespace(replay=lambda: self.replayed.append("broken"))}
+        self.interp_break_at_taps, self.interp_replayed = False, lambda: None
 
 
 @pytest.mark.parametrize(("needs", "graphs", "mode", "skipped", "counted", "broken"), [
@@ -345,10 +351,12 @@ def test_a_compiled_step_with_programs_runs_the_graph_its_programs_allow(
     assert context.skip_compiled is skipped
     assert made.interp.forwards[counted] == 1  # type: ignore[attr-defined]
     assert made.interp.forwards["tap_breaks"] == int(bool(broken))  # type: ignore[attr-defined]
-    assert made.broken_at_forward is broken  # type: ignore[attr-defined]
+    if broken is not None:  # which graph the full-graph step replayed
+        assert manager.replayed == (["broken"] if broken else ["v2"] if mode == FULL.cg_mode
+                                    else [])
     assert "dispatch" not in vars(manager)  # V2's own method again after the step
     assert getattr(manager, "interp_break_at_taps", False) is False  # and its own graphs
-    assert made.interp_module_tree is False and made.interp_tap_breaks is False
+    assert made.interp_module_tree is False
 
 
 def test_v2s_graph_dispatch_still_takes_what_the_adapter_passes() -> None:

@@ -107,9 +107,11 @@ def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
     if not edits:
         return []
     # One multi-tensor kernel for every edit's sum of magnitudes (where a sum a request would
-    # launch one kernel each): NaN or infinity in an edit makes its total so; a total that
-    # overflows from finite values is looked at closely by `non_finite`.
-    totals = torch.stack(torch._foreach_norm(list(edits), 1, dtype=torch.float32)).tolist()
+    # launch one kernel each), 16-bit edits summed in float32 (float16's range is small):
+    # NaN or infinity in an edit makes its total so; a total that overflows from finite values
+    # is looked at closely by `non_finite`.
+    wide = {"dtype": torch.float32} if edits[0].element_size() < 4 else {}
+    totals = torch.stack(torch._foreach_norm(list(edits), 1, **wide)).tolist()
     return [0 if math.isfinite(total) else non_finite(edit, location == "logits")
             for total, edit in zip(totals, edits, strict=True)]
 

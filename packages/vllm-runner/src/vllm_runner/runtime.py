@@ -293,14 +293,18 @@ class Runtime:
 
     # ------------------------------------------------------------------ per step
 
-    def count_forward(self, compiled: bool, programs: bool, tap_breaks: bool = False) -> None:
+    def count_forward(self, compiled: bool, programs: bool) -> None:
         """Count one real forward (`forwards`), after `begin_step`: by whether it ran vLLM's
         compiled path and, if it did, whether its programs were served by the taps' Python or
-        inside the graph alone; and whether it replays a full graph broken at the taps."""
+        inside the graph alone."""
         in_graph = self._served_in_graph and not self._tokens.wants
         self.forwards["eager" if not compiled else "compiled" if not programs else
                       "in_graph" if in_graph else "taps"] += 1
-        self.forwards["tap_breaks"] += tap_breaks
+
+    def count_tap_break(self) -> None:
+        """Count one forward that replayed a full CUDA graph broken at the taps (one of the
+        `taps` forwards: `vllm_v2_tap_graphs`)."""
+        self.forwards["tap_breaks"] += 1
 
     def needs_tap_python(self, programs: Sequence[Program]) -> bool:
         """Whether a step running `programs` has work at a tap that runs in the tap's Python

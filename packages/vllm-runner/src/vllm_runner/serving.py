@@ -530,7 +530,8 @@ def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     request's rows through its storage), made by one multi-tensor kernel where a `clone` each
     would launch one a request."""
     copies = [torch.empty_like(piece) for piece in pieces]
-    torch._foreach_copy_(copies, pieces)
+    if copies:
+        torch._foreach_copy_(copies, pieces)
     return copies
 
 

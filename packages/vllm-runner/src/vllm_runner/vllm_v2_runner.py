@@ -162,14 +162,13 @@ class RunnerV2Mixin:
     interp_repeated: RepeatedSchedule
     interp_in_step: bool
     interp_module_tree: bool  # this step runs the plain module tree (`step_graph`)
-    interp_tap_breaks: bool  # this step replays a full graph broken at the taps (`step_graph`)
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)  # type: ignore[misc]
         load_runtime(self)
         self.interp_programs = {}  # V2 keeps no SamplingParams: the programs are kept here
         self.interp_repeated = RepeatedSchedule()
-        self.interp_in_step = self.interp_module_tree = self.interp_tap_breaks = False
+        self.interp_in_step = self.interp_module_tree = False
         if self.interp_compiles:
             self.get_model().register_forward_pre_hook(  # type: ignore[attr-defined]
                 self._interp_before_forward)
@@ -256,7 +255,7 @@ class RunnerV2Mixin:
                                            self.interp_repeated)
         self.interp.begin_step(layout, scheduled)
         self.interp.count_forward(compiled=self.interp_compiles and not self.interp_module_tree,
-                                  programs=bool(scheduled), tap_breaks=self.interp_tap_breaks)
+                                  programs=bool(scheduled))
         self.interp_in_step = True
         return batch
 
@@ -269,7 +268,7 @@ class RunnerV2Mixin:
                 return super().execute_model(  # type: ignore[misc]
                     scheduler_output, *args, **kwargs)
         finally:
-            self.interp_module_tree = self.interp_tap_breaks = False
+            self.interp_module_tree = False
             if self.interp_in_step:
                 self.interp_in_step = False
                 self.interp.end_step()
@@ -285,7 +284,7 @@ class RunnerV2Mixin:
             return
         dispatch = manager.dispatch
 
-        with tap_breaks_for(manager) as mark_tap_breaks:
+        with tap_breaks_for(manager, self.interp.count_tap_break) as mark_tap_breaks:
             def interp_dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
                                 *args: Any, **kwargs: Any) -> Any:
                 chosen = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
@@ -296,7 +295,6 @@ class RunnerV2Mixin:
                                      **{**kwargs, "max_query_len": None}),
                     lambda descriptor: has_broken(manager, descriptor))
                 self.interp_module_tree = graph.module_tree
-                self.interp_tap_breaks = graph.tap_breaks
                 mark_tap_breaks(graph.tap_breaks)
                 return graph.descriptor
 

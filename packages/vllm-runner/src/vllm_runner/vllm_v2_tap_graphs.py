@@ -40,17 +40,27 @@ class TapBrokenGraphs(CudaGraphManager):
 
     interp_broken: dict[Any, Any]  # descriptor -> its capture broken at the taps
     interp_break_at_taps: bool  # this step replays the broken capture (`tap_breaks_for`)
+    interp_replayed: Callable[[], None]  # told of each broken replay (`tap_breaks_for`)
 
     def capture(self, create_forward_fn: Any, *args: Any, **kwargs: Any) -> None:
-        """V2's own capture, then every full-graph descriptor's again, broken at the taps."""
+        """V2's own capture, then every full-graph descriptor's again, broken at the taps. If
+        that fails, the steps it was for run the piecewise graphs (logged): it is an addition
+        to V2's graphs, which stand."""
         super().capture(create_forward_fn, *args, **kwargs)
-        self._interp_capture_broken(create_forward_fn)
+        try:
+            self._interp_capture_broken(create_forward_fn)
+        except Exception:
+            self.interp_broken.clear()
+            logger.exception("vllm-runner: full graphs broken at the taps could not be "
+                             "captured; steps with a tap's Python run the piecewise graphs")
 
     @torch.inference_mode()
     def _interp_capture_broken(self, create_forward_fn: Any) -> None:
-        descriptors = [descriptor for descriptor in self._capture_descs.get(CUDAGraphMode.FULL, [])
-                       if getattr(descriptor, "num_ubatches", 1) == 1]
-        if self._max_full_descs_to_capture is not None:  # V2 profiles a sample of them
+        # V2's own list and sample (it profiles the first few full graphs and extrapolates),
+        # so that the n-th descriptor's memory lands in V2's n-th sample; microbatched ones
+        # (DBO) are left out: their steps keep the piecewise graphs.
+        descriptors = list(self._capture_descs.get(CUDAGraphMode.FULL, []))
+        if self._max_full_descs_to_capture is not None:
             descriptors = descriptors[: self._max_full_descs_to_capture]
         samples = self._capture_mem_samples
         started = time.perf_counter()
@@ -58,10 +68,12 @@ class TapBrokenGraphs(CudaGraphManager):
             for index, descriptor in enumerate(tqdm(
                     descriptors, desc="Capturing CUDA graphs (FULL, broken at the taps)",
                     disable=not is_global_first_rank())):
+                if getattr(descriptor, "num_ubatches", 1) != 1:
+                    continue
                 forward_fn = create_forward_fn(descriptor, warmup=False)
 
                 def forward(run: Callable[[CUDAGraphMode], None] = forward_fn) -> None:
-                    run(CUDAGraphMode.FULL)  # attention stays in the graph: see `tap_breaks`
+                    run(CUDAGraphMode.NONE)  # as V2 runs its own full graphs' capture
                     get_offloader().join_after_forward()
 
                 get_offloader().sync_prev_onload()
@@ -69,11 +81,10 @@ class TapBrokenGraphs(CudaGraphManager):
                 with capture_pool(self.pool, self.vllm_config) as pool:
                     self.interp_broken[descriptor] = capture_broken(forward, pool)
                 if samples is not None and index < len(samples):
-                    # V2 extrapolates the full graphs' memory from its samples: count both sets
                     samples[index] += free_before - free_memory()
         logger.info("vllm-runner: %d full graphs captured again, broken at the taps, in %.1f s "
-                    "(replayed where a step's programs need a tap's Python)", len(descriptors),
-                    time.perf_counter() - started)
+                    "(replayed where a step's programs need a tap's Python)",
+                    len(self.interp_broken), time.perf_counter() - started)
 
     def run_fullgraph(self, desc: Any) -> Any:
         """Replay the full graph of `desc`: broken at the taps where the step asks for it."""
@@ -82,6 +93,7 @@ class TapBrokenGraphs(CudaGraphManager):
             return super().run_fullgraph(desc)
         get_offloader().sync_prev_onload()
         broken.replay()
+        self.interp_replayed()
         return None
 
     def release_graphs(self) -> None:
@@ -103,6 +115,11 @@ def break_at_taps(manager: Any) -> None:
     manager.__class__ = _with_breaks(manager_class)
     manager.interp_broken = {}
     manager.interp_break_at_taps = False
+    manager.interp_replayed = _nobody
+
+
+def _nobody() -> None:
+    """Told of a broken replay outside `tap_breaks_for` (there is none: nothing marks one)."""
 
 
 @cache
@@ -118,17 +135,26 @@ def has_broken(manager: Any, desc: Any) -> bool:
 
 
 @contextlib.contextmanager
-def tap_breaks_for(manager: Any) -> Iterator[Callable[[bool], None]]:
-    """Within the block, `mark(True)` makes `manager`'s full-graph replays broken at the taps;
-    after it, its replays are V2's own graphs again."""
+def tap_breaks_for(manager: Any, replayed: Callable[[], None]
+                   ) -> Iterator[Callable[[bool], None]]:
+    """Within the block, `mark(True)` makes `manager`'s full-graph replays broken at the taps,
+    and each such replay calls `replayed` (what counts them: a step marked can still run no
+    full graph, where data-parallel ranks agree on none); after it, its replays are V2's own
+    graphs again."""
+    broken = isinstance(manager, TapBrokenGraphs)
+
     def mark(breaks: bool) -> None:
-        if isinstance(manager, TapBrokenGraphs):
+        if broken:
             manager.interp_break_at_taps = breaks
 
+    if broken:
+        manager.interp_replayed = replayed
     try:
         yield mark
     finally:
         mark(False)
+        if broken:
+            manager.interp_replayed = _nobody
 
 
 def free_memory() -> int:
