@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from parts import (
     stream_value,
 )
 from vllm_runner import ops, serving
+from vllm_runner.op_checks import non_finite_each
 from vllm_runner.program import Program
 from vllm_runner.step_plan import ScheduledRequest, plan_step
 
@@ -150,3 +152,29 @@ def test_a_group_of_plain_calls_asks_the_device_once_whether_their_edits_are_fin
            {f"r{index}": "returns" for index in range(16)}, "lease", stream=True, alone=False)
     # (the functions ask for their positions: int64, one answer each, on the host)
     assert [shape for dtype, shape in answers if dtype.is_floating_point] == [torch.Size([16])]
+
+
+def test_each_private_copy_has_memory_of_its_own_and_the_pieces_values_and_layout() -> None:
+    """One multi-tensor copy makes them (`serving.private_copies`): no copy is a view that
+    could reach another request's rows through its storage, and each is laid out as `clone`
+    laid it out (a slice along the tokens axis of queries is not dense: made contiguous)."""
+    whole = torch.randn(2, 3, 8, 4)  # (batch heads tokens head_dim): tokens on axis 2
+    pieces = list(whole.split([3, 5], 2))
+    copies = serving.private_copies(pieces)
+    for piece, copy in zip(pieces, copies, strict=True):
+        assert torch.equal(copy, piece) and copy.stride() == piece.clone().stride()
+        assert copy._base is None and copy.untyped_storage().nbytes() == piece.numel() * 4
+    assert serving.private_copies([]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dtype) -> None:
+    """`non_finite_each`: the count of NaN and infinite values of each edit; finite values
+    whose sum overflows (float16's range ends at 65504) are finite."""
+    large = torch.full((4, 64), torch.finfo(dtype).max / 2, dtype=dtype)
+    nan = torch.ones(2, 64, dtype=dtype)
+    nan[1, 3] = float("nan")
+    infinite = torch.zeros(1, 64, dtype=dtype)
+    infinite[0, :2] = float("inf")
+    counts = non_finite_each([large, nan, torch.zeros(0, 64, dtype=dtype), infinite], "x")
+    assert counts == [0, 1, 0, 2]
