@@ -15,13 +15,19 @@ import pytest
 import torch
 from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 from vllm.config import CUDAGraphMode
+from vllm.utils import torch_utils
 from vllm.v1.worker.gpu.cudagraph_utils import (
     BatchExecutionDescriptor,
     CudaGraphManager,
     ModelCudaGraphManager,
 )
 from vllm_runner import tap_breaks, taps, vllm_v2_tap_graphs
-from vllm_runner.vllm_v2_tap_graphs import TapBrokenGraphs, break_at_taps, has_broken
+from vllm_runner.vllm_v2_tap_graphs import (
+    TapBrokenCapture,
+    TapBrokenGraphs,
+    break_at_taps,
+    has_broken,
+)
 
 
 class FakeCapture:
@@ -59,12 +65,11 @@ def capturing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     (a user's `VLLM_USE_BREAKABLE_CUDAGRAPH=1`) — its stream capturing; references to tensors
     made by a recorder (vLLM's weak references need its CUDA extension)."""
     capture = FakeCapture()
-    registry = (tap_breaks.TapBrokenCapture if request.param == "ours"
-                else BreakableCUDAGraphCapture)
-    monkeypatch.setattr(registry._tls, "active", capture, raising=False)
+    registry = tap_breaks.captures if request.param == "ours" else BreakableCUDAGraphCapture._tls
+    monkeypatch.setattr(registry, "active", capture, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     capture.weak = []
-    monkeypatch.setattr(tap_breaks, "weak_ref_tensor",
+    monkeypatch.setattr(torch_utils, "weak_ref_tensor",
                         lambda tensor: capture.weak.append(tensor) or tensor)
     yield capture
     taps.serve_taps(None)
@@ -86,16 +91,20 @@ def test_a_tap_met_during_a_breakable_capture_ends_the_segment_and_runs_at_every
         assert raw[0] is residual and raw[1] is hidden
 
 
-def test_a_capture_of_vllms_own_breaks_is_not_one_that_vllms_breaks_see() -> None:
+def test_a_capture_broken_at_the_taps_is_not_one_that_vllms_breaks_see(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Attention and vLLM's other marked ops break where `BreakableCUDAGraphCapture.current()`
-    names a capture: ours is registered apart, so they stay inside the graph."""
-    ours = tap_breaks.TapBrokenCapture()
-    tap_breaks.TapBrokenCapture._tls.active = ours
-    try:
-        assert tap_breaks.TapBrokenCapture.current() is ours
+    names a capture: ours registers apart (for the taps alone), so they stay inside the
+    graph; it ends its last segment and leaves the registry when its block ends."""
+    monkeypatch.setattr(TapBrokenCapture, "_begin_segment", lambda self: None)
+    ended: list[bool] = []
+    monkeypatch.setattr(TapBrokenCapture, "_end_segment", lambda self: ended.append(True))
+    with TapBrokenCapture() as ours:
+        assert TapBrokenCapture.current() is ours is tap_breaks.captures.active
         assert BreakableCUDAGraphCapture.current() is None
-    finally:
-        tap_breaks.TapBrokenCapture._tls.active = None
+        with pytest.raises(RuntimeError, match="already running"), TapBrokenCapture():
+            pass
+    assert ended == [True] and TapBrokenCapture.current() is None
 
 
 def test_a_tap_outside_a_capture_is_served_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +123,7 @@ def test_a_tap_whose_stream_is_not_capturing_is_served_at_once(
     """A capture object is current but the stream records nothing (between its segments, or
     a forward run eagerly inside one): the tap runs now, and nothing is recorded."""
     capture = FakeCapture()
-    monkeypatch.setattr(tap_breaks.TapBrokenCapture._tls, "active", capture, raising=False)
+    monkeypatch.setattr(tap_breaks.captures, "active", capture, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     server = Server()
     taps.serve_taps(server)

@@ -24,15 +24,48 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 from vllm.compilation.cudagraph_pool import capture_pool
 from vllm.config import CUDAGraphMode
 from vllm.distributed.parallel_state import graph_capture, is_global_first_rank
 from vllm.model_executor.offloader.base import get_offloader
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-from vllm_runner.tap_breaks import capture_broken
+from vllm_runner import tap_breaks
 
 logger = logging.getLogger("vllm.interp")
+
+
+class TapBrokenCapture(BreakableCUDAGraphCapture):
+    """vLLM's breakable capture, found by the taps alone: it registers itself as this thread's
+    active capture in `tap_breaks.captures`, not where vLLM's breaks (attention's) look
+    (`BreakableCUDAGraphCapture.current()`), so they run inside the graph."""
+
+    @classmethod
+    def current(cls) -> Any:
+        return getattr(tap_breaks.captures, "active", None)
+
+    def __enter__(self) -> TapBrokenCapture:
+        if self.current() is not None:
+            raise RuntimeError("a capture broken at the taps is already running on this thread")
+        tap_breaks.captures.active = self
+        self._begin_segment()
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        try:
+            self._end_segment()
+        finally:
+            tap_breaks.captures.active = None
+
+
+def capture_broken(forward: Callable[[], Any], pool: Any) -> TapBrokenCapture:
+    """`forward` (V2's capture forward for one batch descriptor) captured into `pool`, broken at
+    the taps only; replay it with `.replay()`."""
+    torch.cuda.synchronize()  # as `torch.cuda.graph` does before it captures
+    with TapBrokenCapture(pool=pool) as capture:
+        forward()
+    return capture
 
 
 class TapBrokenGraphs(CudaGraphManager):
