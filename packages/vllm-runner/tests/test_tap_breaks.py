@@ -107,14 +107,19 @@ def test_a_capture_broken_at_the_taps_is_not_one_that_vllms_breaks_see(
     assert ended == [True] and TapBrokenCapture.current() is None
 
 
-def test_a_tap_outside_a_capture_is_served_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def tap_served_now() -> Server:
+    """One tap op call at `layers.1.layer_output` with a runtime serving: what it was handed."""
     server = Server()
     taps.serve_taps(server)
     try:
         torch.ops.vllm_interp.tap([torch.ones(2)], "layers.1.layer_output|T")
     finally:
         taps.serve_taps(None)
-    assert [location for location, _ in server.served] == ["layers.1.layer_output"]
+    return server
+
+
+def test_a_tap_outside_a_capture_is_served_at_once() -> None:
+    assert [location for location, _ in tap_served_now().served] == ["layers.1.layer_output"]
     assert tap_breaks.break_at_tap(lambda *_: None, [], "") is False
 
 
@@ -125,13 +130,7 @@ def test_a_tap_whose_stream_is_not_capturing_is_served_at_once(
     capture = FakeCapture()
     monkeypatch.setattr(tap_breaks.captures, "active", capture, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    server = Server()
-    taps.serve_taps(server)
-    try:
-        torch.ops.vllm_interp.tap([torch.ones(2)], "layers.1.layer_output|T")
-    finally:
-        taps.serve_taps(None)
-    assert capture.recorded == [] and len(server.served) == 1
+    assert len(tap_served_now().served) == 1 and capture.recorded == []
 
 
 def descriptor(mode: CUDAGraphMode, tokens: int) -> BatchExecutionDescriptor:
