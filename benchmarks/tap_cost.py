@@ -8,7 +8,7 @@ little and the difference between generating with and without a `Save` at every 
 mostly our Python:
 
     python benchmarks/tap_cost.py [--requests 64] [--profile] [--shape thin-30]
-        [--op save|save-last|call|call-read|call-rowwise|lens|steer-decode]
+        [--op save|save-last|call|call-read|call-rowwise|lens|lens-last|steer-decode]
 
 (in an environment holding the stack; on the GPU `benchmarks/gpu/check.sh python3
 benchmarks/tap_cost.py`). It prints, per repeat, both runs' seconds and the cost per tap call
@@ -20,7 +20,8 @@ cost is this per-request Python at every step. `--op call-rowwise` is `--op call
 `rowwise=True`: one call a step for every request; `--op lens` a logit lens (top 5) at every
 layer; `--op steer-decode` an `Add` on generated tokens only (`steps="decode"`); `--op
 save-last` a `Save` of the prompt's last token (`positions=(-1,)`, the usual probe: its cost
-falls on the prompts' steps). Results: docs/cuda-graphs-design.md.
+falls on the prompts' steps), `--op lens-last` the logit lens there. Results:
+docs/cuda-graphs-design.md.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ OPS = {"save": lambda ops, hidden: ops.Save("layers.*.layer_output"),
        "lens": lambda ops, hidden: ops.Lens("layers.*.layer_output", top_k=5),
        "steer-decode": lambda ops, hidden: ops.Add("layers.*.layer_output", hidden, 0.1,
                                                    steps="decode"),
-       "save-last": lambda ops, hidden: ops.Save("layers.*.layer_output", positions=(-1,))}
+       "save-last": lambda ops, hidden: ops.Save("layers.*.layer_output", positions=(-1,)),
+       "lens-last": lambda ops, hidden: ops.Lens("layers.*.layer_output", top_k=5,
+                                                 positions=(-1,))}
 
 
 def main() -> None:

@@ -37,20 +37,27 @@ def test_a_lens_of_no_tokens_is_refused_when_made(top_k) -> None:
     assert ops.Lens("layers.0.layer_output", top_k=np.int64(3)).to_data()["top_k"] == 3
 
 
+def answers_of(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
+    """What `serving.<name>` (a way of serving a group together) answers each time the engine
+    asks it, from now on."""
+    answers: list[bool] = []
+    way = getattr(serving, name)
+
+    def recorded(*args, **kwargs):
+        answers.append(way(*args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(serving, name, recorded)
+    return answers
+
+
 def test_requests_running_one_lens_are_served_together_each_equal_to_transformers(
         llm, reference, monkeypatch) -> None:
     """Three prompts running the same `Lens`: their rows are projected together (one lens a
     step for all, a few rows at a time here) and each request's top-k equals transformers' on
     its own tokens."""
     monkeypatch.setattr(lens, "LENS_ROWS", 3)
-    joined = []
-    together = serving._lens_together
-
-    def counted(*args, **kwargs):
-        joined.append(together(*args, **kwargs))
-        return joined[-1]
-
-    monkeypatch.setattr(serving, "_lens_together", counted)
+    joined = answers_of(monkeypatch, "_lens_together")
     outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
                            SamplingParams(max_tokens=GENERATED, temperature=0.0),
                            interventions=[[ops.Lens("layers.1.layer_output", top_k=5)]] * 3,
@@ -66,3 +73,30 @@ def test_requests_running_one_lens_are_served_together_each_equal_to_transformer
         assert torch.equal(output.saved["layers.1.layer_output.lens_tokens"], expected_tokens)
         assert torch.allclose(output.saved["layers.1.layer_output.lens_probs"], expected_probs,
                               atol=1e-5)
+
+
+def test_the_logit_lens_at_each_prompts_last_token_is_served_together_equal_to_transformers(
+        llm, reference, monkeypatch) -> None:
+    """The usual probe — `Lens(..., positions=(-1,))` at every layer on many prompts — has the
+    rows it keeps gathered and projected once a step for all the requests (not one lens each),
+    and each request's one row equals transformers' top-k at its prompt's last token."""
+    joined = answers_of(monkeypatch, "_lens_kept_together")
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
+                           SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                           interventions=[[ops.Lens("layers.*.layer_output", top_k=3,
+                                                    positions=(-1,))]] * len(PROMPTS),
+                           use_tqdm=False)
+    assert joined and all(joined)  # served together, never falling back
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.error is None
+        with torch.no_grad():
+            states = reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        for layer, hidden in enumerate(states[1:]):
+            if layer == len(states) - 2:  # the last layer's output is already normed there
+                break
+            probabilities = reference.lm_head(reference.model.norm(hidden[:, -1:])).softmax(-1)
+            expected_probs, expected_tokens = probabilities.topk(3, dim=-1)
+            name = f"layers.{layer}.layer_output"
+            assert torch.equal(output.saved[f"{name}.lens_tokens"], expected_tokens), name
+            assert torch.allclose(output.saved[f"{name}.lens_probs"], expected_probs,
+                                  atol=1e-5), name

@@ -443,40 +443,51 @@ def test_a_save_with_positions_keeps_only_the_rows_it_names(stream) -> None:
                                whole[[7]].unsqueeze(0))
 
 
+def fake_lens(rows: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lens whose results are a function of each row alone (as the model's is): its first
+    `top_k` values halved, and as integers."""
+    return rows[0, :, :top_k] * 0.5, rows[0, :, :top_k].long()
+
+
 @settings(deadline=None, max_examples=80)
 @given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 12)), min_size=2, max_size=6),
        st.lists(st.integers(-8, 14), max_size=4).map(tuple),
        st.sampled_from(["all", "prefill", "decode"]), st.integers(4, 9), st.booleans(),
-       st.data())
-def test_filtered_saves_served_together_equal_each_request_served_alone(
-        requests, positions, steps, prompt_length, stream, data) -> None:
-    """A `Save` with `positions` and `steps` on a group (one gather of the rows its members
-    keep) collects what the same op served request by request (`serve_one`) does, whatever the
-    rows, first positions and filters, on a plain value and on the stream's two halves; a
-    member that keeps no row still gets its name back (empty)."""
+       st.sampled_from(["save", "lens"]), st.data())
+def test_filtered_saves_and_lenses_served_together_equal_each_request_served_alone(
+        requests, positions, steps, prompt_length, stream, kind, data) -> None:
+    """A `Save` or a `Lens` with `positions` and `steps` on a group (one gather of the rows its
+    members keep; one projection for the lens) collects what the same op served request by
+    request (`serve_one`) does, whatever the rows, first positions and filters, on a plain
+    value and on the stream's two halves; a member that keeps no row still gets its names back
+    (empty)."""
     from parts import stream_value
 
     layout = layout_of([count for count, _ in requests], [first for _, first in requests])
     chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
-    op = ops.Save("layers.0.layer_output", positions=positions or None, steps=steps)
-    assume(op.filtered)  # an unfiltered save is served together another way
+    filters = {"positions": positions or None, "steps": steps}
+    op = (ops.Save("layers.0.layer_output", **filters) if kind == "save"
+          else ops.Lens("layers.0.layer_output", 2, **filters))
+    assume(op.filtered)  # an unfiltered one is served together another way
     wanted = [request._replace(prompt_length=prompt_length + index) for index, request in
               enumerate(scheduled(layout, [op])) if request.request_id in chosen]
     plan = plan_step(layout, wanted, locations_of)
     rows = slab(layout.total)
     raw = (rows, rows / 3) if stream else rows
     value = (stream_value if stream else residual_value)(Toy())
-    together, alone = services(), services()
-    assert served_through("_save_kept_together", value, raw, plan.tokens, together) == [True]
+    together, alone = (serving.Services(SaveStore(), fake_lens) for _ in range(2))
+    way = "_save_kept_together" if kind == "save" else "_lens_kept_together"
+    assert served_through(way, value, raw, plan.tokens, together) == [True]
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     for want in group:
         serving.serve_one(want, value, raw, layout, 1, alone)
-    collect = [(f"p-{want.request_id}", 100, {"layers.0.layer_output":
-                                              op.keeps(want.step.prompt_length)})
-               for want in group]
+    names = op.saved_names("layers.0.layer_output")
+    collect = [(f"p-{want.request_id}", 100, dict.fromkeys(
+        names, op.keeps(want.step.prompt_length))) for want in group]
     mine, theirs = together.store.collect(collect), alone.store.collect(collect)
     assert mine.keys() == theirs.keys()
     for program in mine:
-        assert mine[program].keys() == theirs[program].keys() == {"layers.0.layer_output"}
-        torch.testing.assert_close(mine[program]["layers.0.layer_output"],
-                                   theirs[program]["layers.0.layer_output"], rtol=0, atol=0)
+        assert mine[program].keys() == theirs[program].keys() == set(names)
+        for name in names:
+            torch.testing.assert_close(mine[program][name], theirs[program][name],
+                                       rtol=0, atol=0)

@@ -21,7 +21,7 @@ from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import non_finite_each, non_finite_error, refuse_non_finite
-from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, Save, with_rows_kept
+from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, RowOp, Save, with_rows_kept
 from vllm_runner.recorded_saves import GroupRecord, offsets_in
 from vllm_runner.save_arena import row_index
 from vllm_runner.store import SaveStore
@@ -233,6 +233,8 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     if isinstance(op, Save) and op.filtered:
         return not services.keeps_saves or _save_kept_together(
             op, value, raw, members, layout, token_axis, services)
+    if isinstance(op, Lens) and op.filtered:  # every rank projects: the logits are gathered
+        return _lens_kept_together(op, value, raw, members, layout, token_axis, services)
     if (not op.shares_rows()
             or (store.any_failed and any(store.failed(want.program_id) for want in members))
             or not _served_at_every_step(value, members)):
@@ -276,29 +278,78 @@ def _save_kept_together(op: Save, value: Value, raw: Any, members: OpGroup, layo
     one gather a layer, not 64 reads); a member that keeps no row is served alone the first
     time (`Save.serve` keeps an empty piece). `False` (the gather or read failed) leaves them
     to `serve_one`."""
-    if not _served_at_every_step(value, members):
-        return False
-    store = services.store
-    kept = members.kept
+    kept = _group_kept_rows(op, value, members, services.store)
     if kept is None:
-        kept = members.kept = _kept_rows(op, [want for want in members
-                                              if not passed_over(want, value, store.failed)])
+        return False
     if kept.owners:
         try:
-            if kept.index.device != (device := _device_of(raw)):
-                kept.index = kept.index.to(device)
-            gathered = value.read(_rows_of(raw, kept.index, layout), members[0].step)
+            gathered = _read_kept(value, raw, members, kept, layout)
         except Exception:
             return False
-        store.save_rows(value.location, token_axis, kept.owners,
-                        list(gathered.split(kept.sizes, token_axis)))
-    for want in kept.keep_none:
-        if not store.has_saves(want.program_id, value.location):
-            serve_one(want, value, raw, layout, token_axis, services)
+        services.store.save_rows(value.location, token_axis, kept.owners,
+                                 list(gathered.split(kept.sizes, token_axis)))
+    _serve_keeping_none(kept, value.location, value, raw, layout, token_axis, services)
     return True
 
 
-def _kept_rows(op: Save, wants: list[Want]) -> KeptRows:
+def _lens_kept_together(op: Lens, value: Value, raw: Any, members: OpGroup,
+                        layout: StepLayout, token_axis: int, services: Services) -> bool:
+    """A `Lens` with `positions` or `steps` on a group (the logit lens at each prompt's last
+    token): the rows its members keep taken out of the step with one gather and projected once
+    (one pass over the unembedding for all of them, where each request made its own), each
+    member's runs kept as pieces of the top-k; a member that keeps no row is served alone the
+    first time (its empty results). `False` leaves them to `serve_one`."""
+    kept = _group_kept_rows(op, value, members, services.store)
+    if kept is None:
+        return False
+    tokens_name, probabilities_name = op.saved_names(value.location)
+    if kept.owners:
+        try:
+            probabilities, tokens = services.lens(
+                _read_kept(value, raw, members, kept, layout), op.top_k)
+        except Exception:
+            return False
+        if services.keeps_saves:
+            for name, result in ((tokens_name, tokens), (probabilities_name, probabilities)):
+                services.store.save_rows(name, 1, kept.owners, [
+                    piece.unsqueeze(0) for piece in result.split(kept.sizes)])
+    _serve_keeping_none(kept, tokens_name, value, raw, layout, token_axis, services)
+    return True
+
+
+def _group_kept_rows(op: RowOp, value: Value, members: OpGroup, store: SaveStore
+                     ) -> KeptRows | None:
+    """The rows a group's filtered op keeps this step, worked out at its first visit (`None`
+    where the value is not served at every step alike)."""
+    if not _served_at_every_step(value, members):
+        return None
+    if members.kept is None:
+        members.kept = _kept_rows(op, [want for want in members
+                                       if not passed_over(want, value, store.failed)])
+    return members.kept
+
+
+def _read_kept(value: Value, raw: Any, members: OpGroup, kept: KeptRows,
+               layout: StepLayout) -> torch.Tensor:
+    """The value at the rows `kept` (one gather of each of the hook's tensors, then the read)."""
+    if kept.index.device != (device := _device_of(raw)):
+        kept.index = kept.index.to(device)
+    return value.read(_rows_of(raw, kept.index, layout), members[0].step)
+
+
+def _serve_keeping_none(kept: KeptRows, name: str, value: Value, raw: Any, layout: StepLayout,
+                        token_axis: int, services: Services) -> None:
+    """The members that keep no row this step served alone until they have saved under `name`
+    (their op keeps one empty piece, so the name comes back; with nothing kept there is
+    nothing to compute either)."""
+    if not services.keeps_saves:
+        return
+    for want in kept.keep_none:
+        if not services.store.has_saves(want.program_id, name):
+            serve_one(want, value, raw, layout, token_axis, services)
+
+
+def _kept_rows(op: RowOp, wants: list[Want]) -> KeptRows:
     """`KeptRows` of `wants` running `op`."""
     firsts: list[int] = []  # each run's first slab row
     owners: list[tuple[str, int]] = []
