@@ -66,11 +66,10 @@ def sampled_rows(layout: StepLayout) -> StepLayout:
 def acting(layout: StepLayout, requests: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """`requests` less those whose programs act on the prompt only (`Program.prompt_only`, e.g.
     `Save(..., positions=(-1,))`) at a step whose rows are all past the prompt
-    (`Program.acts_at`): the generated
-    tokens' steps of such a request need no hook, no tap's Python and no eager forward, so they
-    run vLLM's full CUDA graphs. The adapters decide the step's graph with the same rule
-    (`Runtime.acts_at`). `requests` itself where none is left out: a repeated schedule's very
-    list (`graph_steps` reuses its plan for it)."""
+    (`Program.acts_at`): the generated tokens' steps of such a request need no hook, no tap's
+    Python and no eager forward, so they run vLLM's full CUDA graphs. The adapters decide the
+    step's graph with the same rule (`Runtime.acts_at`). `requests` itself where none is left
+    out: a repeated schedule's very list (`graph_steps` reuses its plan for it)."""
     kept = [request for request in requests if request.program.acts_at(
         request.prompt_length, layout[request.request_id].first_position)]
     return requests if len(kept) == len(requests) else kept

@@ -134,10 +134,6 @@ class TapBrokenGraphs(CudaGraphManager):
         super().release_graphs()
         self.interp_broken.clear()
 
-    def interp_has_broken(self, desc: Any) -> bool:
-        """Whether a full graph broken at the taps was captured for `desc`."""
-        return desc in self.interp_broken
-
 
 def break_at_taps(manager: Any) -> None:
     """Give V2's graph manager `manager` (not yet captured) the broken captures: its class
@@ -164,7 +160,7 @@ def _with_breaks(manager_class: type) -> type:
 
 def has_broken(manager: Any, desc: Any) -> bool:
     """Whether `manager` replays `desc` broken at the taps when asked (`tap_breaks_for`)."""
-    return isinstance(manager, TapBrokenGraphs) and manager.interp_has_broken(desc)
+    return isinstance(manager, TapBrokenGraphs) and desc in manager.interp_broken
 
 
 @contextlib.contextmanager
@@ -174,20 +170,19 @@ def tap_breaks_for(manager: Any, replayed: Callable[[], None]
     and each such replay calls `replayed` (what counts them: a step marked can still run no
     full graph, where data-parallel ranks agree on none); after it, its replays are V2's own
     graphs again."""
-    broken = isinstance(manager, TapBrokenGraphs)
+    if not isinstance(manager, TapBrokenGraphs):  # nothing to break: marks change nothing
+        yield lambda breaks: None
+        return
 
     def mark(breaks: bool) -> None:
-        if broken:
-            manager.interp_break_at_taps = breaks
+        manager.interp_break_at_taps = breaks
 
-    if broken:
-        manager.interp_replayed = replayed
+    manager.interp_replayed = replayed
     try:
         yield mark
     finally:
-        mark(False)
-        if broken:
-            manager.interp_replayed = _nobody
+        manager.interp_break_at_taps = False
+        manager.interp_replayed = _nobody
 
 
 def free_memory() -> int:
