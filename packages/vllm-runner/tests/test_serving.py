@@ -449,6 +449,39 @@ def fake_lens(rows: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tenso
     return rows[0, :, :top_k] * 0.5, rows[0, :, :top_k].long()
 
 
+class SavesSeen(SaveStore):
+    """A store that also lists what it was given: (name, device, rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, torch.device, int]] = []
+
+    def save(self, program_id: str, location: str, first_position: int, value: torch.Tensor,
+             token_axis: int | None, fill: float | None = None) -> None:
+        self.seen.append((location, value.device, value.shape[1]))
+        super().save(program_id, location, first_position, value, token_axis, fill)
+
+
+def test_a_lens_that_keeps_no_row_saves_its_empty_results_once_where_the_engines_rows_are(
+        ) -> None:
+    """A prompt's first chunk does not reach `positions=(-1,)`: its lens keeps one empty piece
+    of each result, made on the engine's device (a later chunk's row, computed there, is joined
+    to it: a CPU piece beside a GPU row failed the request's collection), and no more at later
+    steps that keep none."""
+    layout = layout_of([3], firsts=[0])
+    op = ops.Lens("layers.0.layer_output", 2, positions=(-1,))
+    wanted = scheduled(layout, [op], prompt_length=10)
+    (group,) = plan_step(layout, wanted, locations_of).tokens.wants["layers.0.layer_output"]
+    store = SavesSeen()
+    used = serving.Services(store, fake_lens)
+    for _ in range(2):
+        serving.serve_one(group[0], residual_value(Toy()), slab(layout.total).to("meta"), layout,
+                          1, used)
+    assert not store.any_failed
+    names = op.saved_names("layers.0.layer_output")
+    assert store.seen == [(name, torch.device("meta"), 0) for name in names]
+
+
 @settings(deadline=None, max_examples=80)
 @given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 12)), min_size=2, max_size=6),
        st.lists(st.integers(-8, 14), max_size=4).map(tuple),

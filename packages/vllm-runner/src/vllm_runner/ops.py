@@ -292,12 +292,16 @@ class Lens(RowOp):
             found.append((first, tokens.unsqueeze(0), probabilities.unsqueeze(0)))
         if not visit.services.keeps_saves:
             return
-        if not found:  # nothing kept this step: no rows, as a `Save` keeps
-            found.append((visit.want.span.first_position,
-                          torch.empty(1, 0, self.top_k, dtype=torch.long),
-                          torch.empty(1, 0, self.top_k, dtype=torch.float32)))
         tokens_name, probs_name = self.saved_names(visit.location)
         store, program_id = visit.services.store, visit.want.program_id
+        if not found:  # nothing kept this step: no rows, saved once as a `Save` keeps them, on
+            # the value's device (the store joins a request's pieces: one device for all)
+            if store.has_saves(program_id, tokens_name):
+                return
+            device = visit.device
+            found.append((visit.want.span.first_position,
+                          torch.empty(1, 0, self.top_k, dtype=torch.long, device=device),
+                          torch.empty(1, 0, self.top_k, dtype=torch.float32, device=device)))
         for first, tokens, probabilities in found:
             store.save(program_id, tokens_name, first, tokens, 1)
             store.save(program_id, probs_name, first, probabilities, 1)

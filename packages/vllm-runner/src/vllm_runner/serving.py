@@ -132,6 +132,11 @@ class Visit:
         """The canonical location visited."""
         return self.value.location
 
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's rows are (what an op's results with no rows are made on)."""
+        return _device_of(self.raw)
+
     def read(self) -> torch.Tensor:
         """The request's value as read (a private copy)."""
         return self.value.read(self.rows, self.want.step)
