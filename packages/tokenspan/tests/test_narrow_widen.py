@@ -46,6 +46,27 @@ def test_widen_writes_only_its_span(data: st.DataObject) -> None:
 
 
 @given(st.data())
+def test_widen_with_written_rows_writes_those_rows_alone(data: st.DataObject) -> None:
+    """`written_rows` picks, row by row on the device, which of the span's rows take `part`'s
+    values; the oracle writes each chosen row by plain indexing. A nested value (both halves of
+    a pair) gets the same rows."""
+    layout, slab, axis, span = data.draw(slab_with_span())
+    chosen = data.draw(st.lists(st.booleans(), min_size=len(span), max_size=len(span)))
+    written_rows = torch.tensor(chosen, dtype=torch.bool)
+    pair = Pair(slab, slab * 2)
+    expected = Pair(slab.clone(), slab * 2)
+    replacement = Pair(torch.randn_like(narrow(slab, span, layout)),
+                       torch.randn_like(narrow(slab, span, layout)))
+    for whole, part in zip(expected, replacement, strict=True):
+        for offset, row in enumerate(range(span.start, span.stop)):
+            if chosen[offset]:
+                whole.select(axis, row).copy_(part.select(axis, offset))
+    widen(pair, span, layout, replacement, written_rows=written_rows)
+    for got, wanted in zip(pair, expected, strict=True):
+        assert torch.equal(got, wanted)
+
+
+@given(st.data())
 def test_padded_rows_are_never_served(data: st.DataObject) -> None:
     layout = data.draw(layouts())
     slab, axis = data.draw(slabs(layout))

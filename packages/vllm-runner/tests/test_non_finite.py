@@ -86,6 +86,39 @@ def test_an_edit_that_gives_non_finite_values_fails_its_request_and_writes_nothi
     assert list(failed.outputs[0].token_ids) == greedy(reference, prompt, GENERATED)
 
 
+def _the_long_prompts_generated_token(ctx) -> bool:
+    # (its prompt is prefilled in two chunks, the first one alone: its generated tokens' steps
+    # are the ones it shares with the short prompt)
+    return ctx.prompt_length == len(PROMPTS[1]) and int(ctx.positions[0]) >= ctx.prompt_length
+
+
+def _nan_for_the_long_prompt(value, ctx):
+    return value * float("nan") if _the_long_prompts_generated_token(ctx) else None
+
+
+def _scramble_the_long_prompt(value, ctx):
+    return value * -3.0 if _the_long_prompts_generated_token(ctx) else None
+
+
+def test_a_call_refused_beside_others_fails_alone_and_its_program_stops_there(llm,
+                                                                             reference) -> None:
+    """Two requests of one program, served together at a generated token's step (their results
+    checked on the device, the answer read later): the one whose first `Call` gives NaN fails,
+    nothing of it written, and its second `Call`, later in the same forward, is not served (it
+    would scramble its rows); the other request runs on untouched, with no error."""
+    program = [ops.Call(LOCATION, _nan_for_the_long_prompt),
+               ops.Call("layers.2.layer_output", _scramble_the_long_prompt)]
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    failed, fine = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts],
+                                GREEDY, interventions=program, use_tqdm=False)
+    assert failed.error is not None and "non-finite" in failed.error, failed.error
+    assert failed.error.startswith(f"call at {LOCATION}: ValueError: the function's result "
+                                   "gave"), failed.error
+    assert fine.error is None
+    for output, prompt in zip((failed, fine), prompts, strict=True):
+        assert list(output.outputs[0].token_ids) == greedy(reference, prompt, GENERATED)
+
+
 @pytest.mark.parametrize("program", [
     [ops.Call("layers.1.mlp_output", _poison, reads="view")],  # a view: the module's rows
     [ops.Scale("layers.0.layer_output", 1e30)],  # finite, then inf and NaN in later layers

@@ -462,3 +462,29 @@ def test_rows_saved_apart_from_a_run_of_steps_end_the_run() -> None:
     assert not run.open
     found = store.collect([("k", 10, {"a": None})])["k"]["a"]
     assert found.flatten().tolist() == [0.0, 1.0, 5.0]
+
+
+def test_unread_checks_fail_their_requests_when_a_failure_is_next_asked_about() -> None:
+    """Edits' finiteness answered on the device (`unread_checks`): a read later in the same
+    forward does not wait for the answers (`failed_so_far`); an edit (`failed`), the next step
+    (`any_failed`), an error's reader and collection do, and fail whom they refused, each
+    with its own message."""
+    from vllm_runner.unread_checks import UnreadChecks
+
+    store = SaveStore()
+    store.check_later(UnreadChecks(["p-a", "p-b"], [lambda: "a is bad", lambda: "b is bad"],
+                                   torch.tensor([True, False])))
+    assert store.may_have_failed and not store.failed_so_far("p-b")
+    assert store.failed("p-b") and not store.failed("p-a") and store.error("p-b") == "b is bad"
+    assert not store.may_have_failed
+
+    def refused(program_id: str) -> UnreadChecks:
+        return UnreadChecks([program_id], [lambda: f"{program_id} is bad"], torch.tensor([False]))
+
+    store.check_later(refused("p-c"))
+    assert store.any_failed and store.error("p-c") == "p-c is bad"
+    store.check_later(refused("p-d"))
+    assert store.error("p-d") == "p-d is bad"
+    store.check_later(refused("p-e"))
+    store.collect([("p-e", 10, {})])
+    assert store.failed_so_far("p-e") and store.error("p-e") == "p-e is bad"

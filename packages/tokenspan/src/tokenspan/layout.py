@@ -344,7 +344,9 @@ class StepLayout:
         if cached is None:
             columns = {"starts": self._starts, "counts": self._counts,
                        "first_positions": self._first_positions}
-            cached = torch.tensor(columns[name], dtype=torch.long, device=device_key)
+            # (non-blocking: a plain copy to a GPU waits for everything queued there first)
+            cached = torch.tensor(columns[name], dtype=torch.long).to(device_key,
+                                                                     non_blocking=True)
             self._device_cache[cache_key] = cached
         return cached
 
@@ -375,11 +377,11 @@ class StepLayout:
 
     def request_indices(self, device: torch.device | str | None = None) -> torch.Tensor:
         """For each of the `total` rows, the slab-order index of the request that owns it."""
-        return self.row_owners().to(device, copy=True)
+        return self.row_owners().to(device, copy=True, non_blocking=True)
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The absolute position of each of the `total` rows (padding excluded), one kernel pass."""
-        return self.row_positions().to(device, copy=True)
+        return self.row_positions().to(device, copy=True, non_blocking=True)
 
     def split(self, value: torch.Tensor, axis: int | None = None) -> dict[Key, torch.Tensor]:
         """Cut a slab into per-request views along its token axis, in one call (padding dropped).

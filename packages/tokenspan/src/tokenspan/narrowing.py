@@ -80,13 +80,15 @@ def plan_writes(
     part: Any,
     axis: int | None = None,
     should_write: Callable[[Path, Any], bool] | None = None,
+    written_rows: torch.Tensor | None = None,
 ) -> list[Write]:
     """Validate `part` against `span` of `whole` and list the `(destination, source)` copies.
 
     Nothing is written here, so a caller can refuse the whole write when any leaf is wrong.
     `should_write(path, part_leaf)` lets a lease skip leaves it knows are unchanged. A source
     that is the destination itself (an unreplaced view) is skipped; one that shares memory with
-    the slab is cloned first, since an overlapping copy is undefined.
+    the slab is cloned first, since an overlapping copy is undefined. With `written_rows` (see
+    `widen`) a source is `part`'s rows where it is true and the slab's own elsewhere.
     """
     check_span(span, layout)
     writes: list[Write] = []
@@ -113,7 +115,10 @@ def plan_writes(
                 f"at {describe_path(path)}: expected shape {tuple(destination.shape)} for rows "
                 f"{span.start}:{span.stop} ({len(span)} tokens), got {tuple(part_leaf.shape)}"
             )
-        if _is_same_view(part_leaf, destination):
+        if written_rows is not None:
+            part_leaf = torch.where(_along(written_rows, destination.dim(), whole_ax),
+                                    part_leaf, destination)
+        elif _is_same_view(part_leaf, destination):
             continue
         if _shares_memory(part_leaf, whole_leaf):
             part_leaf = part_leaf.clone()
@@ -127,14 +132,32 @@ def apply_writes(writes: list[Write]) -> None:
         destination.copy_(source)
 
 
-def widen(whole: Any, span: Span, layout: StepLayout, part: Any, axis: int | None = None) -> None:
+def widen(
+    whole: Any,
+    span: Span,
+    layout: StepLayout,
+    part: Any,
+    axis: int | None = None,
+    written_rows: torch.Tensor | None = None,
+) -> None:
     """Write `part` (shaped like `narrow(whole, span, layout)`) into the span's rows of `whole`.
 
     Every leaf is checked before anything is written: a per-token leaf of the wrong shape, or a
     changed leaf that is not per-token, raises `SpanShapeError` naming the place and both
     shapes, and leaves `whole` untouched. Rows outside the span never change.
+
+    `written_rows` (bool, one per row of the span, on the slab's device) writes only the rows
+    where it is true; the others keep the slab's values. The choice is made on the device, so
+    an engine can write what a check computed there allows without waiting for its answer.
     """
-    apply_writes(plan_writes(whole, span, layout, part, axis))
+    apply_writes(plan_writes(whole, span, layout, part, axis, written_rows=written_rows))
+
+
+def _along(rows: torch.Tensor, dims: int, axis: int) -> torch.Tensor:
+    """`rows` (one value per row) shaped to broadcast along `axis` of a `dims`-axis tensor."""
+    shape = [1] * dims
+    shape[axis] = rows.shape[0]
+    return rows.reshape(shape)
 
 
 def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -116,6 +116,20 @@ def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
             for total, edit in zip(totals, edits, strict=True)]
 
 
+def finite_each(edits: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether each edit (floating tensors of one dtype on one device) is free of NaN and
+    infinity, answered on the device (bool, one per edit) with two multi-tensor kernels and no
+    wait: what `non_finite_each` answers on the host, `-inf` on the logits aside."""
+    # A sum of magnitudes is NaN where a value is NaN; the largest magnitude is infinite where a
+    # value is infinite, and, unlike the sum, never overflows from finite values.
+    # (An empty edit has no largest magnitude: a zero stands in for it.)
+    edits = [edit if edit.numel() else edit.new_zeros(1) for edit in edits]
+    wide = {"dtype": torch.float32} if edits[0].element_size() < 4 else {}
+    sums = torch.stack(torch._foreach_norm(edits, 1, **wide))
+    peaks = torch.stack(torch._foreach_norm(edits, math.inf))
+    return ~(sums.isnan() | peaks.isinf())
+
+
 def non_finite_error(bad: int, edited: torch.Tensor, what: str) -> ValueError:
     """The error that refuses an edit holding `bad` non-finite values (nothing written)."""
     return ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of "

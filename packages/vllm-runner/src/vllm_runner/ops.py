@@ -351,7 +351,7 @@ def with_rows_kept(edited: torch.Tensor, current: torch.Tensor, keep: torch.Tens
     if bool(keep.all()):
         return edited
     shape = [-1 if axis == token_axis else 1 for axis in range(current.dim())]
-    return torch.where(keep.to(current.device).view(shape), edited, current)
+    return torch.where(keep.to(current.device, non_blocking=True).view(shape), edited, current)
 
 
 def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...],
@@ -406,7 +406,7 @@ class Add(EditOp):
     def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
         """`current + scale * vector`."""
         vector = _fitted(self.vector, current, layout, "Add's vector")
-        return current + vector.to(current.device, current.dtype) * self.scale
+        return current + vector.to(current.device, current.dtype, non_blocking=True) * self.scale
 
     def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
         """Whether the vector has no extent along the tokens axis."""
@@ -429,7 +429,7 @@ class Set(EditOp):
     def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
         """`value`, broadcast over the rows."""
         value = _fitted(self.value, current, layout, "Set's value")
-        return value.to(current.device, current.dtype).expand_as(current).clone()
+        return value.to(current.device, current.dtype, non_blocking=True).expand_as(current).clone()
 
     def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
         """Whether the value has no extent along the tokens axis."""
@@ -502,7 +502,7 @@ class ProjectOut(EditOp):
     def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
         """`current` less its component along the unit direction (normalised in float32, as the
         graph's ablation does: in float16 a direction's norm can overflow)."""
-        direction = self.direction.to(current.device, torch.float32)
+        direction = self.direction.to(current.device, torch.float32, non_blocking=True)
         unit = (direction / direction.norm()).to(current.dtype)
         return current - (current @ unit).unsqueeze(-1) * unit
 
@@ -672,9 +672,8 @@ class Call(Op):
                 refuse_non_finite(lent.value, "the function (in view mode: its writes landed)",
                                   visit.location)
             return  # untouched: nothing is written
-        refuse_non_finite(edited, "the function" if edited is lent.value else
-                          "the function's result", visit.location)
-        visit.write(edited)
+        visit.write_if_finite(edited, "the function" if edited is lent.value else
+                              "the function's result")
 
     def run_user_code(self, value: torch.Tensor, context: CallContext) -> Any:
         """`fn(value, context)`: the one frame between our code and the user's, which

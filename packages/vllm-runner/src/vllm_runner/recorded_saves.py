@@ -261,7 +261,8 @@ class _Plan:
             return
         # On a device: one index for all, one gather; the stretches are views of it (they are
         # copied to the host next, each into its own place).
-        index = torch.from_numpy(self.index).to(joined.untyped_storage().device)
+        index = torch.from_numpy(self.index).to(joined.untyped_storage().device,
+                                                 non_blocking=True)
         rows = joined.index_select(axis, index)
         for member, mine in zip(self.members, self.stretches, strict=True):
             member._gathered[location] = [(first, rows.narrow(axis, start, count))

@@ -440,7 +440,8 @@ class Runtime:
         for location, groups in self._saves_in_graph:
             rows = self.in_graph[location]
             if self.services.keeps_saves:
-                rows.saves.take(groups, self.store.failed, self.values[location], self.store)
+                rows.saves.take(groups, self.store.failed_so_far, self.values[location],
+                                self.store)
             rows.clear()
         self._saves_in_graph.clear()
         step, self._graph_step = self._graph_step, None

@@ -343,7 +343,7 @@ class _Layout:
 
 
 def _on_index_device(index: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(index).to(device)
+    return torch.from_numpy(index).to(device, non_blocking=True)
 
 
 def row_index(rows: list[int], counts: list[int]) -> np.ndarray:

@@ -7,8 +7,9 @@ into the engine's tensors in place (`tokenspan.widen`), only on the request's ro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import accumulate
 from typing import Any, Protocol
 
@@ -20,11 +21,18 @@ from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
-from vllm_runner.op_checks import non_finite_each, non_finite_error, refuse_non_finite
+from vllm_runner.op_checks import (
+    finite_each,
+    non_finite,
+    non_finite_each,
+    non_finite_error,
+    refuse_non_finite,
+)
 from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, RowOp, Save, with_rows_kept
 from vllm_runner.recorded_saves import GroupRecord, offsets_in
 from vllm_runner.save_arena import row_index
 from vllm_runner.store import SaveStore
+from vllm_runner.unread_checks import UnreadChecks
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,21 @@ class Visit:
         widen(self.raw, self.want.span, self.layout,
               self.value.write(self.rows, edited, self.want.step))
 
+    def write_if_finite(self, edited: torch.Tensor, what: str) -> None:
+        """Write the request's edited value unless it holds NaN or infinity, which fails the
+        request instead, naming `what` made it. Checked on the device, and the rows written
+        only if it passed: the store reads the answer later (`unread_checks`), so the host
+        does not wait for the device here. On the logits, where `-inf` is allowed, the answer
+        is read at once."""
+        if self.location == "logits":
+            refuse_non_finite(edited, what, self.location)
+            self.write(edited)
+            return
+        written_rows, checks = _checked_on_the_device([(self.want, edited, what)], self.value)
+        widen(self.raw, self.want.span, self.layout,
+              self.value.write(self.rows, edited, self.want.step), written_rows=written_rows)
+        self.services.store.check_later(checks)
+
 
 def token_axis_of(value: Value) -> int | None:
     """The axis of the value (as read) that runs along tokens, if it has one: a pattern's
@@ -195,11 +218,17 @@ def passed_over(want: Want, value: Value, failed: Callable[[str], bool]) -> bool
     return value.reason(want.step) is not None or failed(want.program_id)
 
 
+def failed_check(op: Op, store: SaveStore) -> Callable[[str], bool]:
+    """How `op` asks whether a program failed: an edit reads the program's unread finiteness
+    checks first (none is served after a refused one); a read does not wait for them."""
+    return store.failed if op.edits else store.failed_so_far
+
+
 def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis: int | None,
               services: Services) -> None:
     """Run one request's op on its own rows; a failure fails that request only."""
     store = services.store
-    if passed_over(want, value, store.failed):
+    if passed_over(want, value, failed_check(want.op, store)):
         return  # e.g. a value this step cannot serve; a program failed earlier
     try:
         rows = narrow(raw, want.span, layout)
@@ -213,8 +242,13 @@ def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis
 
 def _fail(want: Want, value: Value, error: BaseException, store: SaveStore) -> None:
     """Fail `want`'s program with `error`, naming its op and the location."""
-    store.fail(want.program_id, f"{want.op.kind} at {value.location}: "
-                                f"{type(error).__name__}: {error}{want.op.failure_detail(error)}")
+    store.fail(want.program_id, failure_message(want, value, error))
+
+
+def failure_message(want: Want, value: Value, error: BaseException) -> str:
+    """What a request's error says when `error` failed its op at `value`."""
+    return (f"{want.op.kind} at {value.location}: {type(error).__name__}: {error}"
+            f"{want.op.failure_detail(error)}")
 
 
 def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
@@ -241,7 +275,8 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     if isinstance(op, Lens) and op.filtered:  # every rank projects: the logits are gathered
         return _lens_kept_together(op, value, raw, members, layout, token_axis, services)
     if (not op.shares_rows()
-            or (store.any_failed and any(store.failed(want.program_id) for want in members))
+            or (store.may_have_failed
+                and any(map(failed_check(op, store), (want.program_id for want in members))))
             or not _served_at_every_step(value, members)):
         return False
     if isinstance(op, EditOp):
@@ -330,7 +365,7 @@ def _group_kept_rows(op: RowOp, value: Value, members: OpGroup, store: SaveStore
         return None
     if members.kept is None:
         members.kept = _kept_rows(op, [want for want in members
-                                       if not passed_over(want, value, store.failed)])
+                                       if not passed_over(want, value, store.failed_so_far)])
     return members.kept
 
 
@@ -338,7 +373,7 @@ def _read_kept(value: Value, raw: Any, members: OpGroup, kept: KeptRows,
                layout: StepLayout) -> torch.Tensor:
     """The value at the rows `kept` (one gather of each of the hook's tensors, then the read)."""
     if kept.index.device != (device := _device_of(raw)):
-        kept.index = kept.index.to(device)
+        kept.index = kept.index.to(device, non_blocking=True)
     return value.read(_rows_of(raw, kept.index, layout), members[0].step)
 
 
@@ -404,7 +439,8 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
         reads = [value.read(narrow(raw, run.span, layout), step) for run, _ in plan]
         joined = reads[0] if len(reads) == 1 else torch.cat(reads, token_axis)
         if kept is not None:  # the rows of requests between members are not projected
-            joined = joined.index_select(token_axis, torch.from_numpy(kept).to(joined.device))
+            joined = joined.index_select(token_axis, torch.from_numpy(kept).to(
+                joined.device, non_blocking=True))
         probabilities, tokens = services.lens(joined, op.top_k)
     except Exception:
         return False
@@ -480,20 +516,21 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
             if keep is not None:
                 edited = with_rows_kept(edited, current, keep, token_axis)
             refuse_non_finite(edited, f"the {op.kind}", value.location)
-            writes.append((run, value.write(rows, edited, step)))
+            writes.append((run, value.write(rows, edited, step), None))
     except Exception:
         return False  # nothing written yet: served one by one, each with its own error
     _write_runs(writes, raw, layout, members, f"{op.kind} at {value.location}", store)
     return True
 
 
-def _write_runs(writes: list[tuple[Span, Any]], raw: Any, layout: StepLayout,
-                members: list[Want], what: str, store: SaveStore) -> None:
-    """Write each run's new rows into the engine's; a write that fails (after others may have
-    landed) fails every member."""
+def _write_runs(writes: Sequence[tuple[Span, Any, torch.Tensor | None]], raw: Any,
+                layout: StepLayout, members: list[Want], what: str, store: SaveStore) -> None:
+    """Write each run's new rows into the engine's (only those where its `written_rows` are
+    true, if it has them); a write that fails (after others may have landed) fails every
+    member."""
     try:
-        for run, new_rows in writes:
-            widen(raw, run, layout, new_rows)
+        for run, new_rows, written_rows in writes:
+            widen(raw, run, layout, new_rows, written_rows=written_rows)
     except Exception as error:
         for want in members:
             store.fail(want.program_id, f"{what}: {type(error).__name__}: {error}")
@@ -522,12 +559,26 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
             return True  # untouched: nothing is written
         if edited.shape != joined.shape:
             return False
-        refuse_non_finite(edited, "the function", value.location)
+        written_rows = checks = None
+        if value.location == "logits":  # `-inf` allowed: answered on the host
+            refuse_non_finite(edited, "the function", value.location)
+        else:  # each member's rows checked on their own: only those at fault fail
+            by_id = {want.request_id: want for want in members}
+            ordered = [by_id[str(key)] for key in selection.keys]
+            what = "the function" if edited is lent.value else "the function's result"
+            written_rows, checks = _checked_on_the_device([
+                (want, piece, what) for want, piece in zip(ordered, edited.split(
+                    [len(want.span) for want in ordered], token_axis), strict=True)], value)
         pieces = edited.split([len(run) for run in runs], token_axis)
-        writes = [(run, value.write(rows, piece, step))
-                  for run, rows, piece in zip(runs, engine_rows, pieces, strict=True)]
+        firsts = [0, *accumulate(len(run) for run in runs)]  # each run's first joined row
+        writes = [(run, value.write(rows, piece, step),
+                   None if written_rows is None else written_rows[first:first + len(run)])
+                  for run, rows, piece, first in zip(runs, engine_rows, pieces, firsts,
+                                                     strict=False)]
     except Exception:
         return False  # nothing written yet
+    if checks is not None:
+        services.store.check_later(checks)
     _write_runs(writes, raw, layout, members, f"{op.kind} at {value.location}", services.store)
     return True
 
@@ -613,30 +664,62 @@ def _adjacent(wants: list[Want]) -> list[list[Want]]:
 
 def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, raw: Any,
                    layout: StepLayout, token_axis: int, store: SaveStore) -> None:
-    """Refuse the edits that are not finite (their requests fail alone) and write the rest,
-    one write per run of adjacent rows."""
-    counts = non_finite_each([edited for _, edited, _ in edits], value.location)
-    finite = []
-    for (want, edited, what), bad in zip(edits, counts, strict=True):
-        if bad:
-            _fail(want, value, non_finite_error(bad, edited, what), store)
-        else:
-            finite.append((want, edited, what))
-    wants = [want for want, _, _ in finite]
+    """Write the edits that are free of NaN and infinity, one write per run of adjacent rows,
+    and fail the requests of the others alone. The check is answered on the device and each
+    request's rows take its edit only where it passed (`widen`'s `written_rows`), so the host
+    never waits for the device here; the store reads the answers later (`unread_checks`). On
+    the logits, where `-inf` is allowed, the host reads the answers at once."""
+    if not edits:
+        return
+    if value.location == "logits":
+        counts = non_finite_each([edited for _, edited, _ in edits], value.location)
+        for (want, edited, what), bad in zip(edits, counts, strict=True):
+            if bad:
+                _fail(want, value, non_finite_error(bad, edited, what), store)
+        edits = [edit for edit, bad in zip(edits, counts, strict=True) if not bad]
+        written_rows = None
+        checks = None
+    else:
+        written_rows, checks = _checked_on_the_device(edits, value)
+    wants = [want for want, _, _ in edits]
     writes = []
     try:
-        start = 0
+        start = row = 0  # the run's first edit, and its first row among the edits' rows
         for run in _adjacent(wants):
-            pieces = [edited for _, edited, _ in finite[start:start + len(run)]]
-            start += len(run)
+            pieces = [edited for _, edited, _ in edits[start:start + len(run)]]
             span = Span(run[0].span.start, run[-1].span.stop)
+            rows = None if written_rows is None else written_rows[row:row + len(span)]
+            start, row = start + len(run), row + len(span)
             writes.append((span, value.write(narrow(raw, span, layout), pieces[0] if len(
-                pieces) == 1 else torch.cat(pieces, token_axis), run[0].step)))
+                pieces) == 1 else torch.cat(pieces, token_axis), run[0].step), rows))
     except Exception:  # nothing written yet: each request on its own, with its own error
-        for want, edited, what in finite:
+        for want, edited, what in edits:
             _write_one(want, value, raw, edited, what, layout, store)
         return
+    if checks is not None:
+        store.check_later(checks)
     _write_runs(writes, raw, layout, wants, f"call at {value.location}", store)
+
+
+def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: Value
+                           ) -> tuple[torch.Tensor, UnreadChecks]:
+    """Whether each row of the edits (in their order) may be written — its request's edit is
+    free of NaN and infinity, answered on the device — and the answers, for the store to read
+    later and fail whom they refuse (`SaveStore.check_later`, once the writes are made)."""
+    finite = finite_each([edited for _, edited, _ in edits])
+    checks = UnreadChecks(
+        [want.program_id for want, _, _ in edits],
+        [partial(_non_finite_failure, want, value, edited, what) for want, edited, what in edits],
+        finite)
+    return finite[torch.from_numpy(np.repeat(np.arange(len(edits)), [
+        len(want.span) for want, _, _ in edits])).to(finite.device, non_blocking=True)], checks
+
+
+def _non_finite_failure(want: Want, value: Value, edited: torch.Tensor, what: str) -> str:
+    """Why `want`'s request failed, its edit having been found not finite (counted here, on
+    the host: only for a request that failed)."""
+    error = non_finite_error(non_finite(edited, value.location == "logits"), edited, what)
+    return failure_message(want, value, error)
 
 
 def _write_one(want: Want, value: Value, raw: Any, edited: torch.Tensor, what: str,

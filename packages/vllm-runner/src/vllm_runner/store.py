@@ -28,6 +28,7 @@ from vllm_runner.recorded_saves import (
 from vllm_runner.recorded_saves import gather_together as gather_recorded
 from vllm_runner.save_arena import PendingRows, SaveArena, gather_together
 from vllm_runner.settings import FALLBACK_DEVICE_SAVES_MIB
+from vllm_runner.unread_checks import UnreadChecks
 
 if TYPE_CHECKING:
     from tokenspan import RunRead
@@ -89,6 +90,9 @@ class SaveStore:
         # column per position so far), and what pads them to one width.
         self._fills: dict[tuple[str, str], float] = {}
         self._errors: dict[str, str] = {}
+        # Edits' finiteness answered on the device, not read yet (`unread_checks`), and whose.
+        self._unread: list[UnreadChecks] = []
+        self._unread_ids: set[str] = set()
         self._device_bytes: dict[str, int] = defaultdict(int)  # per program_id, saves on a device
         self._spilled: set[str] = set()  # program_ids with chunks moved to the host by `spill`
         self._staging: torch.Tensor | None = None  # made at the first move from a device
@@ -116,10 +120,33 @@ class SaveStore:
         """Record why `program_id`'s program failed (the first failure is kept)."""
         self._errors.setdefault(program_id, message)
 
+    def check_later(self, checks: UnreadChecks) -> None:
+        """Fail the requests of `checks` whose edit was not finite once the answers are read:
+        before the store next says whether one of them failed (`failed`, `any_failed`,
+        `error`), and at collection."""
+        self._unread.append(checks)
+        self._unread_ids.update(checks.program_ids)
+
+    def settle(self) -> None:
+        """Read every unread check (waiting for the device to reach it) and fail whom it
+        refused."""
+        unread, self._unread = self._unread, []
+        self._unread_ids.clear()
+        for checks in unread:
+            for program_id, why in checks.failures():
+                self.fail(program_id, why)
+
     @property
     def any_failed(self) -> bool:
-        """Whether some program failed and was not collected yet."""
+        """Whether some program failed and was not collected yet (unread checks read first)."""
+        if self._unread:
+            self.settle()
         return bool(self._errors)
+
+    @property
+    def may_have_failed(self) -> bool:
+        """Whether some program failed, or may have (unread checks), without waiting."""
+        return bool(self._errors) or bool(self._unread)
 
     def has_saves(self, program_id: str, location: str) -> bool:
         """Whether `program_id` keeps anything at `location` yet (rows, or none: an op whose
@@ -128,11 +155,21 @@ class SaveStore:
         return kept is not None and bool(kept.get(location))
 
     def failed(self, program_id: str) -> bool:
-        """Whether `program_id`'s program has failed (it is served no more)."""
+        """Whether `program_id`'s program has failed (it is served no more): its unread checks
+        are read first, so an edit is never served after one refused earlier."""
+        if program_id in self._unread_ids:
+            self.settle()
+        return program_id in self._errors
+
+    def failed_so_far(self, program_id: str) -> bool:
+        """`failed` without reading unread checks (no wait for the device): for reads later in
+        the forward whose check is unread, which see the rows the refused edit left alone."""
         return program_id in self._errors
 
     def error(self, program_id: str) -> str | None:
         """Why `program_id`'s program failed, or `None`; forgotten once read."""
+        if program_id in self._unread_ids:
+            self.settle()
         return self._errors.pop(program_id, None)
 
     def save(self, program_id: str, location: str, first_position: int, value: torch.Tensor,
@@ -334,6 +371,7 @@ class SaveStore:
         tokens but the last); rows beyond it came from steps the scheduler ran ahead.
         `wanted[location]` keeps a position or not (`None`: every position).
         """
+        self.settle()
         mover = host_copies.ToHost(self._staging_buffer)
         # A request with chunks on the host already (spilled) and on a device: all to the host
         # before joining (one tensor cannot join chunks of two devices).
@@ -411,6 +449,7 @@ class SaveStore:
 
     def drop(self, program_ids: list[str]) -> None:
         """Free what `program_ids` saved (aborted or abandoned requests)."""
+        self.settle()
         for program_id in program_ids:
             self._errors.pop(program_id, None)
             self._forget(program_id)
