@@ -6,6 +6,7 @@ gives — whatever each function does."""
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from parts import (
     stream_value,
 )
 from vllm_runner import ops, serving
-from vllm_runner.op_checks import non_finite_each
+from vllm_runner.op_checks import finite_each, finite_on_device, non_finite_each
 from vllm_runner.program import Program
 from vllm_runner.step_plan import ScheduledRequest, plan_step
 from vllm_runner.store import SaveStore
@@ -89,14 +90,22 @@ def served(counts: list[int], firsts: list[int], chosen: list[str],
 
 @settings(deadline=None, max_examples=80)
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 30)), min_size=2, max_size=7),
-       st.sampled_from(["lease", "copy"]), st.booleans(), st.data())
-@example([(2, 0), (1, 5), (3, 9)], "lease", True, None)
+       st.sampled_from(["lease", "copy"]), st.booleans(), st.booleans(), st.data())
+@example([(2, 0), (1, 5), (3, 9)], "lease", True, True, None)
 def test_plain_calls_of_a_group_equal_each_request_served_alone(requests, reads, stream,
-                                                                data) -> None:
+                                                                as_on_a_gpu, data) -> None:
     """Every behaviour of a function, mixed in one step over adjacent and separate rows, in both
     copying read modes, on a plain value and on the stream's two halves (where an untouched
     request's rows must not be rewritten): the engine's rows equal bit for bit, each request
-    fails alone with the same error, and each function was given the same rows and context."""
+    fails alone with the same error, and each function was given the same rows and context —
+    also with the results checked as on a GPU (`finite_on_device`: every request's rows
+    written where its answer allows, the answers read afterwards)."""
+    with mock.patch.object(serving, "finite_each",
+                           finite_on_device if as_on_a_gpu else finite_each):
+        _group_equals_each_alone(requests, reads, stream, data)
+
+
+def _group_equals_each_alone(requests, reads, stream, data) -> None:
     counts, firsts = [count for count, _ in requests], [first for _, first in requests]
     keys = [f"r{index}" for index in range(len(requests))]
     if data is None:  # the explicit example: every request untouched but one, between them
@@ -145,7 +154,9 @@ def test_a_group_of_plain_calls_never_waits_for_the_device_to_check_their_edits(
         monkeypatch) -> None:
     """Sixteen requests' edits are checked on the device without the host reading an answer
     while the group is served (it waited there once a step, in the middle of the forward);
-    the answers are read once, together, when the store is next asked about a failure."""
+    the answers are read once, together, when the store is next asked about a failure. (On
+    the host the answer is at hand, so it is checked as a GPU checks it here.)"""
+    monkeypatch.setattr(serving, "finite_each", finite_on_device)
     events: list[Any] = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist",
@@ -175,11 +186,16 @@ def test_each_private_copy_has_memory_of_its_own_and_the_pieces_values_and_layou
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dtype) -> None:
     """`non_finite_each`: the count of NaN and infinite values of each edit; finite values
-    whose sum overflows (float16's range ends at 65504) are finite."""
+    whose sum overflows (float16's range ends at 65504) are finite. `finite_each` and
+    `finite_on_device` say the same as whether each count is 0."""
     large = torch.full((4, 64), torch.finfo(dtype).max / 2, dtype=dtype)
     nan = torch.ones(2, 64, dtype=dtype)
     nan[1, 3] = float("nan")
     infinite = torch.zeros(1, 64, dtype=dtype)
     infinite[0, :2] = float("inf")
-    counts = non_finite_each([large, nan, torch.zeros(0, 64, dtype=dtype), infinite], "x")
-    assert counts == [0, 1, 0, 2]
+    edits = [large, nan, torch.zeros(0, 64, dtype=dtype), infinite]
+    assert non_finite_each(edits, "x") == [0, 1, 0, 2]
+    # answered without the host: what a GPU runs (and, on the host, the one sum each)
+    for finite in (finite_on_device(edits), finite_each(edits)):
+        assert finite is not None and finite.tolist() == [True, False, True, False]
+    assert finite_each([large]) is None  # on the host, every edit finite: nothing to hold back

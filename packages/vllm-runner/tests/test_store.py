@@ -472,14 +472,14 @@ def test_unread_checks_fail_their_requests_when_a_failure_is_next_asked_about() 
     from vllm_runner.unread_checks import UnreadChecks
 
     store = SaveStore()
-    store.check_later(UnreadChecks(["p-a", "p-b"], [lambda: "a is bad", lambda: "b is bad"],
-                                   torch.tensor([True, False])))
+    store.check_later(UnreadChecks(["p-a", "p-b"], torch.tensor([True, False]),
+                                   lambda index: f"{'ab'[index]} is bad"))
     assert store.may_have_failed and not store.failed_so_far("p-b")
     assert store.failed("p-b") and not store.failed("p-a") and store.error("p-b") == "b is bad"
     assert not store.may_have_failed
 
     def refused(program_id: str) -> UnreadChecks:
-        return UnreadChecks([program_id], [lambda: f"{program_id} is bad"], torch.tensor([False]))
+        return UnreadChecks([program_id], torch.tensor([False]), lambda _: f"{program_id} is bad")
 
     store.check_later(refused("p-c"))
     assert store.any_failed and store.error("p-c") == "p-c is bad"

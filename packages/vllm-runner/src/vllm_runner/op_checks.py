@@ -116,12 +116,22 @@ def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
             for total, edit in zip(totals, edits, strict=True)]
 
 
-def finite_each(edits: Sequence[torch.Tensor]) -> torch.Tensor:
+def finite_each(edits: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """Whether each edit (floating tensors of one dtype on one device) is free of NaN and
-    infinity, answered on the device (bool, one per edit) with two multi-tensor kernels and no
-    wait: what `non_finite_each` answers on the host, `-inf` on the logits aside."""
-    # A sum of magnitudes is NaN where a value is NaN; the largest magnitude is infinite where a
-    # value is infinite, and, unlike the sum, never overflows from finite values.
+    infinity (bool, one per edit, where the edits are): what `non_finite_each` answers, `-inf`
+    on the logits aside. On an accelerator it is answered there, with no wait
+    (`finite_on_device`); on the host, where nothing waits, by the cheaper one sum each, and
+    `None` where every edit is finite (nothing to hold back)."""
+    if edits[0].device.type != "cpu":
+        return finite_on_device(edits)
+    counts = non_finite_each(edits, "")
+    return torch.tensor([bad == 0 for bad in counts], dtype=torch.bool) if any(counts) else None
+
+
+def finite_on_device(edits: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`finite_each` with two multi-tensor kernels and no answer read: a sum of magnitudes is
+    NaN where a value is NaN; the largest magnitude is infinite where a value is infinite and,
+    unlike the sum, never overflows from finite values."""
     # (An empty edit has no largest magnitude: a zero stands in for it.)
     edits = [edit if edit.numel() else edit.new_zeros(1) for edit in edits]
     wide = {"dtype": torch.float32} if edits[0].element_size() < 4 else {}

@@ -186,7 +186,8 @@ class Visit:
         written_rows, checks = _checked_on_the_device([(self.want, edited, what)], self.value)
         widen(self.raw, self.want.span, self.layout,
               self.value.write(self.rows, edited, self.want.step), written_rows=written_rows)
-        self.services.store.check_later(checks)
+        if checks is not None:
+            self.services.store.check_later(checks)
 
 
 def token_axis_of(value: Value) -> int | None:
@@ -677,8 +678,7 @@ def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, ra
             if bad:
                 _fail(want, value, non_finite_error(bad, edited, what), store)
         edits = [edit for edit, bad in zip(edits, counts, strict=True) if not bad]
-        written_rows = None
-        checks = None
+        written_rows = checks = None
     else:
         written_rows, checks = _checked_on_the_device(edits, value)
     wants = [want for want, _, _ in edits]
@@ -702,22 +702,26 @@ def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, ra
 
 
 def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: Value
-                           ) -> tuple[torch.Tensor, UnreadChecks]:
+                           ) -> tuple[torch.Tensor | None, UnreadChecks | None]:
     """Whether each row of the edits (in their order) may be written — its request's edit is
     free of NaN and infinity, answered on the device — and the answers, for the store to read
-    later and fail whom they refuse (`SaveStore.check_later`, once the writes are made)."""
+    later and fail whom they refuse (`SaveStore.check_later`, once the writes are made).
+    `(None, None)` where the answers are on the host already and every edit passed: there is
+    nothing to hold back."""
     finite = finite_each([edited for _, edited, _ in edits])
-    checks = UnreadChecks(
-        [want.program_id for want, _, _ in edits],
-        [partial(_non_finite_failure, want, value, edited, what) for want, edited, what in edits],
-        finite)
+    if finite is None:
+        return None, None
+    checks = UnreadChecks([want.program_id for want, _, _ in edits], finite,
+                          partial(_non_finite_failure, edits, value))
     return finite[torch.from_numpy(np.repeat(np.arange(len(edits)), [
         len(want.span) for want, _, _ in edits])).to(finite.device, non_blocking=True)], checks
 
 
-def _non_finite_failure(want: Want, value: Value, edited: torch.Tensor, what: str) -> str:
-    """Why `want`'s request failed, its edit having been found not finite (counted here, on
-    the host: only for a request that failed)."""
+def _non_finite_failure(edits: list[tuple[Want, torch.Tensor, str]], value: Value,
+                        index: int) -> str:
+    """Why the request of `edits[index]` failed, its edit having been found not finite
+    (counted here, on the host: only for a request that failed)."""
+    want, edited, what = edits[index]
     error = non_finite_error(non_finite(edited, value.location == "logits"), edited, what)
     return failure_message(want, value, error)
 

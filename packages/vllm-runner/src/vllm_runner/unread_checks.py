@@ -19,13 +19,13 @@ import torch
 
 
 class UnreadChecks:
-    """One group's answers (`finite`: bool, one per request, where the forward runs) and how to
-    say why each request failed, should its answer be no."""
+    """One group's answers (`finite`: bool, one per request, where the forward runs) and why
+    the `index`-th request failed, should its answer be no (`why(index)`: asked only then)."""
 
-    def __init__(self, program_ids: Sequence[str], failures: Sequence[Callable[[], str]],
-                 finite: torch.Tensor) -> None:
+    def __init__(self, program_ids: Sequence[str], finite: torch.Tensor,
+                 why: Callable[[int], str]) -> None:
         self.program_ids = list(program_ids)
-        self._failures = list(failures)
+        self._why = why
         self._ready: torch.cuda.Event | None = None
         if finite.device.type == "cuda":
             self._answers = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
@@ -40,7 +40,6 @@ class UnreadChecks:
         device to reach the check, if it has not yet)."""
         if self._ready is not None:
             self._ready.synchronize()
-        for program_id, finite, failure in zip(self.program_ids, self._answers.tolist(),
-                                               self._failures, strict=True):
+        for index, finite in enumerate(self._answers.tolist()):
             if not finite:
-                yield program_id, failure()
+                yield self.program_ids[index], self._why(index)
