@@ -22,7 +22,11 @@ from parts import (
     stream_value,
 )
 from vllm_runner import ops, serving
-from vllm_runner.op_checks import finite_each, finite_on_device, non_finite_each
+from vllm_runner.op_checks import (
+    non_finite_counts,
+    non_finite_counts_on_device,
+    non_finite_each,
+)
 from vllm_runner.program import Program
 from vllm_runner.step_plan import ScheduledRequest, plan_step
 from vllm_runner.store import SaveStore
@@ -98,10 +102,10 @@ def test_plain_calls_of_a_group_equal_each_request_served_alone(requests, reads,
     copying read modes, on a plain value and on the stream's two halves (where an untouched
     request's rows must not be rewritten): the engine's rows equal bit for bit, each request
     fails alone with the same error, and each function was given the same rows and context —
-    also with the results checked as on a GPU (`finite_on_device`: every request's rows
-    written where its answer allows, the answers read afterwards)."""
-    with mock.patch.object(serving, "finite_each",
-                           finite_on_device if as_on_a_gpu else finite_each):
+    also with the results checked as on a GPU (`non_finite_counts_on_device`: every request's
+    rows written where its count allows, the counts read afterwards). No NaN is ever written."""
+    with mock.patch.object(serving, "non_finite_counts",
+                           non_finite_counts_on_device if as_on_a_gpu else non_finite_counts):
         _group_equals_each_alone(requests, reads, stream, data)
 
 
@@ -118,6 +122,7 @@ def _group_equals_each_alone(requests, reads, stream, data) -> None:
     for mine, theirs in zip(*(result[0] if stream else (result[0],)
                               for result in (together, alone)), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+        assert torch.isfinite(mine).all()  # a refused result is never written
     assert together[1] == alone[1]
     for key in chosen:
         error = together[1][key]
@@ -156,7 +161,7 @@ def test_a_group_of_plain_calls_never_waits_for_the_device_to_check_their_edits(
     while the group is served (it waited there once a step, in the middle of the forward);
     the answers are read once, together, when the store is next asked about a failure. (On
     the host the answer is at hand, so it is checked as a GPU checks it here.)"""
-    monkeypatch.setattr(serving, "finite_each", finite_on_device)
+    monkeypatch.setattr(serving, "non_finite_counts", non_finite_counts_on_device)
     events: list[Any] = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist",
@@ -165,9 +170,9 @@ def test_a_group_of_plain_calls_never_waits_for_the_device_to_check_their_edits(
     monkeypatch.setattr(SaveStore, "settle", lambda self: events.append("read") or settle(self))
     served([1] * 16, [9] * 16, [f"r{index}" for index in range(16)],
            {f"r{index}": "returns" for index in range(16)}, "lease", stream=True, alone=False)
-    # (the functions ask for their positions: int64, one answer each, on the host)
-    answers = [event for event in events if event == "read" or event[0] != torch.int64]
-    assert answers[0] == "read" and answers[1:] == [(torch.bool, torch.Size([16]))]
+    # (the functions ask for their positions: one each, on the host)
+    answers = [event for event in events if event == "read" or event[1] != torch.Size([1])]
+    assert answers[0] == "read" and answers[1:] == [(torch.long, torch.Size([16]))]
 
 
 def test_each_private_copy_has_memory_of_its_own_and_the_pieces_values_and_layout() -> None:
@@ -186,8 +191,8 @@ def test_each_private_copy_has_memory_of_its_own_and_the_pieces_values_and_layou
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dtype) -> None:
     """`non_finite_each`: the count of NaN and infinite values of each edit; finite values
-    whose sum overflows (float16's range ends at 65504) are finite. `finite_each` and
-    `finite_on_device` say the same as whether each count is 0."""
+    whose sum overflows (float16's range ends at 65504) are finite. `non_finite_counts` and
+    `non_finite_counts_on_device` count the same (along either token axis)."""
     large = torch.full((4, 64), torch.finfo(dtype).max / 2, dtype=dtype)
     nan = torch.ones(2, 64, dtype=dtype)
     nan[1, 3] = float("nan")
@@ -195,7 +200,9 @@ def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dt
     infinite[0, :2] = float("inf")
     edits = [large, nan, torch.zeros(0, 64, dtype=dtype), infinite]
     assert non_finite_each(edits, "x") == [0, 1, 0, 2]
-    # answered without the host: what a GPU runs (and, on the host, the one sum each)
-    for finite in (finite_on_device(edits), finite_each(edits)):
-        assert finite is not None and finite.tolist() == [True, False, True, False]
-    assert finite_each([large]) is None  # on the host, every edit finite: nothing to hold back
+    # counted without the host: what a GPU runs (and, on the host, the one sum each)
+    for counts in (non_finite_counts_on_device(edits, 0), non_finite_counts(edits, 0),
+                   non_finite_counts_on_device([edit.T for edit in edits], 1)):
+        assert counts is not None and counts.tolist() == [0, 1, 0, 2]
+    assert non_finite_counts([large], 0) is None  # on the host, all finite: nothing held back
+    assert non_finite_counts([torch.ones(2, 3, dtype=torch.long)], 0) is None  # not floating

@@ -289,6 +289,23 @@ def test_a_rowwise_call_that_fails_on_the_group_fails_only_its_culprit(failure) 
     torch.testing.assert_close(engine_rows[edited], 2 * slab(6)[edited])
 
 
+def test_a_rowwise_call_with_nan_in_a_later_run_of_rows_refuses_that_request_alone() -> None:
+    """Members r0 and r3 of four adjacent requests: their rows are two runs (a gap between);
+    NaN in r3's rows fails r3 alone, its rows and the gap's left as they were, r0 edited."""
+    layout = layout_of([2, 2, 2, 2], firsts=[0, 10, 20, 30])
+    function = RowwiseCalls(poisoned=31)
+    requests = [request for request in scheduled(layout, [ops.Call(
+        "layers.0.layer_output", function, rowwise=True)]) if request.request_id in ("r0", "r3")]
+    plan = plan_step(layout, requests, locations_of)
+    engine_rows, used = slab(8), services()
+    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
+    assert [rows for rows, _, _ in function.calls] == [4]
+    assert [used.store.failed(f"p-r{i}") for i in (0, 3)] == [False, True]
+    assert "NaN" in (used.store.error("p-r3") or "")
+    torch.testing.assert_close(engine_rows[:2], 2 * slab(8)[:2], rtol=0, atol=0)
+    torch.testing.assert_close(engine_rows[2:], slab(8)[2:], rtol=0, atol=0)
+
+
 def test_a_rowwise_call_is_one_object_for_every_request_running_its_program() -> None:
     """Programs share their decoded ops by digest when every `Call` in them is rowwise (one
     function for the group); a plain `Call` is unpickled per request, as it may keep state."""

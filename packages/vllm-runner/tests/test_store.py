@@ -465,21 +465,22 @@ def test_rows_saved_apart_from_a_run_of_steps_end_the_run() -> None:
 
 
 def test_unread_checks_fail_their_requests_when_a_failure_is_next_asked_about() -> None:
-    """Edits' finiteness answered on the device (`unread_checks`): a read later in the same
+    """Edits' non-finite values counted on the device (`unread_checks`): a read later in the same
     forward does not wait for the answers (`failed_so_far`); an edit (`failed`), the next step
     (`any_failed`), an error's reader and collection do, and fail whom they refused, each
     with its own message."""
     from vllm_runner.unread_checks import UnreadChecks
 
     store = SaveStore()
-    store.check_later(UnreadChecks(["p-a", "p-b"], torch.tensor([True, False]),
-                                   lambda index: f"{'ab'[index]} is bad"))
+    store.check_later(UnreadChecks(["p-a", "p-b"], torch.tensor([0, 3]),
+                                   lambda index, bad: f"{'ab'[index]} has {bad} bad values"))
     assert store.may_have_failed and not store.failed_so_far("p-b")
-    assert store.failed("p-b") and not store.failed("p-a") and store.error("p-b") == "b is bad"
+    assert store.failed("p-b") and not store.failed("p-a")
+    assert store.error("p-b") == "b has 3 bad values"
     assert not store.may_have_failed
 
     def refused(program_id: str) -> UnreadChecks:
-        return UnreadChecks([program_id], torch.tensor([False]), lambda _: f"{program_id} is bad")
+        return UnreadChecks([program_id], torch.tensor([1]), lambda *_: f"{program_id} is bad")
 
     store.check_later(refused("p-c"))
     assert store.any_failed and store.error("p-c") == "p-c is bad"

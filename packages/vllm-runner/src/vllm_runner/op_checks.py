@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from numbers import Integral, Real
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 
 Steps = Literal["all", "prefill", "decode"]
@@ -97,7 +98,7 @@ def refuse_non_finite(edited: Any, what: str, location: str) -> None:
     if isinstance(edited, torch.Tensor) and edited.is_floating_point():
         bad = non_finite(edited, location == "logits")
         if bad:
-            raise non_finite_error(bad, edited, what)
+            raise non_finite_error(bad, edited.numel(), what)
 
 
 def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
@@ -116,31 +117,39 @@ def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
             for total, edit in zip(totals, edits, strict=True)]
 
 
-def finite_each(edits: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Whether each edit (floating tensors of one dtype on one device) is free of NaN and
-    infinity (bool, one per edit, where the edits are): what `non_finite_each` answers, `-inf`
-    on the logits aside. On an accelerator it is answered there, with no wait
-    (`finite_on_device`); on the host, where nothing waits, by the cheaper one sum each, and
-    `None` where every edit is finite (nothing to hold back)."""
+def non_finite_counts(edits: Sequence[torch.Tensor], token_axis: int) -> torch.Tensor | None:
+    """How many NaN or infinite values each edit holds (int64, one per edit, where the edits
+    are): what `non_finite_each` counts, `-inf` on the logits aside. On an accelerator it is
+    counted there and not read (`non_finite_counts_on_device`); on the host, where nothing
+    waits, by the cheaper one sum each, and `None` where every edit is finite (nothing to hold
+    back), as it is for edits that are not floating point."""
+    if not edits[0].is_floating_point():
+        return None
     if edits[0].device.type != "cpu":
-        return finite_on_device(edits)
+        return non_finite_counts_on_device(edits, token_axis)
     counts = non_finite_each(edits, "")
-    return torch.tensor([bad == 0 for bad in counts], dtype=torch.bool) if any(counts) else None
+    return torch.tensor(counts, dtype=torch.long) if any(counts) else None
 
 
-def finite_on_device(edits: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`finite_each` with two multi-tensor kernels and no answer read: a sum of magnitudes is
-    NaN where a value is NaN; the largest magnitude is infinite where a value is infinite and,
-    unlike the sum, never overflows from finite values."""
-    # (An empty edit has no largest magnitude: a zero stands in for it.)
-    edits = [edit if edit.numel() else edit.new_zeros(1) for edit in edits]
-    wide = {"dtype": torch.float32} if edits[0].element_size() < 4 else {}
-    sums = torch.stack(torch._foreach_norm(edits, 1, **wide))
-    peaks = torch.stack(torch._foreach_norm(edits, math.inf))
-    return ~(sums.isnan() | peaks.isinf())
+def non_finite_counts_on_device(edits: Sequence[torch.Tensor], token_axis: int) -> torch.Tensor:
+    """`non_finite_counts` in a few kernels whatever the number of edits (floating tensors of
+    one layout but their token axis, `token_axis`): joined by rows, counted row by row, the
+    rows' counts added up per edit."""
+    rows = [_by_rows(edit, token_axis) for edit in edits]
+    per_row = (~torch.isfinite(torch.cat(rows) if len(rows) > 1 else rows[0])).sum(1)
+    owners = np.repeat(np.arange(len(rows)), [len(row) for row in rows])
+    return torch.zeros(len(rows), dtype=torch.long, device=per_row.device).index_add_(
+        0, torch.from_numpy(owners).to(per_row.device, non_blocking=True), per_row)
 
 
-def non_finite_error(bad: int, edited: torch.Tensor, what: str) -> ValueError:
-    """The error that refuses an edit holding `bad` non-finite values (nothing written)."""
-    return ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of "
-                      f"{edited.numel()}; nothing was written")
+def _by_rows(edit: torch.Tensor, token_axis: int) -> torch.Tensor:
+    """`edit` as `[rows, values of a row]` (rows along `token_axis`; none is fine)."""
+    rows = edit.movedim(token_axis, 0)
+    return rows.flatten(1) if rows.dim() > 1 else rows.unsqueeze(1)
+
+
+def non_finite_error(bad: int, size: int, what: str) -> ValueError:
+    """The error that refuses an edit of `size` values holding `bad` non-finite ones (nothing
+    written)."""
+    return ValueError(f"{what} gave {bad} non-finite values (NaN or infinity) of {size}; "
+                      "nothing was written")

@@ -251,7 +251,9 @@ class Runtime:
     def program(self, data: ProgramData, prompt_length: int) -> Program | None:
         """A scheduled request's program, decoded at its first step and checked against its
         prompt; `None` once it has failed (a failed program stops where it failed: nothing more
-        is read or written for it)."""
+        is written for it, nor read after that step — a `Call` refused on the device is known
+        at the next read of its answers, and the program's reads in between still run:
+        `unread_checks`)."""
         program_id = data["program_id"]
         checked = self._checked.get(program_id)  # every later step: no more lookups
         known = checked if checked is not None else self.programs.known(program_id)

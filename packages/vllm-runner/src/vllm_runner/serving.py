@@ -17,13 +17,13 @@ import numpy as np
 import torch
 from tokenspan import ReadMode, RunRead, Selection, Span, StepLayout, lend, narrow, widen
 from tokenspan import token_axis as axis_along_tokens
+from tokenspan.tree import iter_leaves
 from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import (
-    finite_each,
-    non_finite,
+    non_finite_counts,
     non_finite_each,
     non_finite_error,
     refuse_non_finite,
@@ -179,11 +179,12 @@ class Visit:
         only if it passed: the store reads the answer later (`unread_checks`), so the host
         does not wait for the device here. On the logits, where `-inf` is allowed, the answer
         is read at once."""
-        if self.location == "logits":
+        if self.location == "logits" or self.token_axis is None:
             refuse_non_finite(edited, what, self.location)
             self.write(edited)
             return
-        written_rows, checks = _checked_on_the_device([(self.want, edited, what)], self.value)
+        written_rows, checks = _checked_on_the_device([(self.want, edited, what)], self.value,
+                                                      self.token_axis, self.device)
         widen(self.raw, self.want.span, self.layout,
               self.value.write(self.rows, edited, self.want.step), written_rows=written_rows)
         if checks is not None:
@@ -409,10 +410,11 @@ def _kept_rows(op: RowOp, wants: list[Want]) -> KeptRows:
 
 
 def _device_of(raw: Any) -> torch.device:
-    """The device of the first tensor of what a hook saw."""
+    """The device of the first tensor of what a hook saw (a tensor, or tensors nested in
+    tuples, lists and dicts)."""
     if isinstance(raw, torch.Tensor):
         return raw.device
-    return next(item.device for item in raw if isinstance(item, torch.Tensor))
+    return next(leaf.device for _, leaf in iter_leaves(raw) if isinstance(leaf, torch.Tensor))
 
 
 def _rows_of(raw: Any, index: torch.Tensor, layout: StepLayout) -> Any:
@@ -569,7 +571,8 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
             what = "the function" if edited is lent.value else "the function's result"
             written_rows, checks = _checked_on_the_device([
                 (want, piece, what) for want, piece in zip(ordered, edited.split(
-                    [len(want.span) for want in ordered], token_axis), strict=True)], value)
+                    [len(want.span) for want in ordered], token_axis), strict=True)], value,
+                token_axis, _device_of(raw))
         pieces = edited.split([len(run) for run in runs], token_axis)
         firsts = [0, *accumulate(len(run) for run in runs)]  # each run's first joined row
         writes = [(run, value.write(rows, piece, step),
@@ -676,11 +679,12 @@ def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, ra
         counts = non_finite_each([edited for _, edited, _ in edits], value.location)
         for (want, edited, what), bad in zip(edits, counts, strict=True):
             if bad:
-                _fail(want, value, non_finite_error(bad, edited, what), store)
+                _fail(want, value, non_finite_error(bad, edited.numel(), what), store)
         edits = [edit for edit, bad in zip(edits, counts, strict=True) if not bad]
         written_rows = checks = None
     else:
-        written_rows, checks = _checked_on_the_device(edits, value)
+        written_rows, checks = _checked_on_the_device(edits, value, token_axis,
+                                                      _device_of(raw))
     wants = [want for want, _, _ in edits]
     writes = []
     try:
@@ -701,29 +705,31 @@ def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, ra
     _write_runs(writes, raw, layout, wants, f"call at {value.location}", store)
 
 
-def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: Value
+def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: Value,
+                           token_axis: int, device: torch.device
                            ) -> tuple[torch.Tensor | None, UnreadChecks | None]:
-    """Whether each row of the edits (in their order) may be written — its request's edit is
-    free of NaN and infinity, answered on the device — and the answers, for the store to read
-    later and fail whom they refuse (`SaveStore.check_later`, once the writes are made).
-    `(None, None)` where the answers are on the host already and every edit passed: there is
-    nothing to hold back."""
-    finite = finite_each([edited for _, edited, _ in edits])
-    if finite is None:
+    """Whether each row of the edits (in their order; `device`: the engine rows') may be
+    written — its request's edit is free of NaN and infinity, counted on the device — and the
+    counts, for the store to read later and fail whom they refuse (`SaveStore.check_later`,
+    once the writes are made). `(None, None)` where the answers are on the host already and
+    every edit passed: there is nothing to hold back."""
+    bad = non_finite_counts([edited for _, edited, _ in edits], token_axis)
+    if bad is None:
         return None, None
-    checks = UnreadChecks([want.program_id for want, _, _ in edits], finite,
-                          partial(_non_finite_failure, edits, value))
-    return finite[torch.from_numpy(np.repeat(np.arange(len(edits)), [
-        len(want.span) for want, _, _ in edits])).to(finite.device, non_blocking=True)], checks
+    described = [(want, edited.numel(), what) for want, edited, what in edits]
+    checks = UnreadChecks([want.program_id for want, _, _ in edits], bad,
+                          partial(_non_finite_failure, described, value))
+    owners = torch.from_numpy(np.repeat(np.arange(len(edits)), [
+        edited.shape[token_axis] for _, edited, _ in edits])).to(bad.device, non_blocking=True)
+    return (bad == 0)[owners].to(device, non_blocking=True), checks
 
 
-def _non_finite_failure(edits: list[tuple[Want, torch.Tensor, str]], value: Value,
-                        index: int) -> str:
-    """Why the request of `edits[index]` failed, its edit having been found not finite
-    (counted here, on the host: only for a request that failed)."""
-    want, edited, what = edits[index]
-    error = non_finite_error(non_finite(edited, value.location == "logits"), edited, what)
-    return failure_message(want, value, error)
+def _non_finite_failure(described: list[tuple[Want, int, str]], value: Value, index: int,
+                        bad: int) -> str:
+    """Why the request of `described[index]` (its want, its edit's size and what made it)
+    failed, its edit holding `bad` NaN or infinite values."""
+    want, size, what = described[index]
+    return failure_message(want, value, non_finite_error(bad, size, what))
 
 
 def _write_one(want: Want, value: Value, raw: Any, edited: torch.Tensor, what: str,
