@@ -192,7 +192,8 @@ def test_each_private_copy_has_memory_of_its_own_and_the_pieces_values_and_layou
 def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dtype) -> None:
     """`non_finite_each`: the count of NaN and infinite values of each edit; finite values
     whose sum overflows (float16's range ends at 65504) are finite. `non_finite_counts` and
-    `non_finite_counts_on_device` count the same (along either token axis)."""
+    `non_finite_counts_on_device` count the same (along either token axis), and say which
+    edit each row is of."""
     large = torch.full((4, 64), torch.finfo(dtype).max / 2, dtype=dtype)
     nan = torch.ones(2, 64, dtype=dtype)
     nan[1, 3] = float("nan")
@@ -201,8 +202,11 @@ def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dt
     edits = [large, nan, torch.zeros(0, 64, dtype=dtype), infinite]
     assert non_finite_each(edits, "x") == [0, 1, 0, 2]
     # counted without the host: what a GPU runs (and, on the host, the one sum each)
-    for counts in (non_finite_counts_on_device(edits, 0), non_finite_counts(edits, 0),
-                   non_finite_counts_on_device([edit.T for edit in edits], 1)):
-        assert counts is not None and counts.tolist() == [0, 1, 0, 2]
+    for counted in (non_finite_counts_on_device(edits, 0), non_finite_counts(edits, 0),
+                    non_finite_counts_on_device([edit.T for edit in edits], 1)):
+        assert counted is not None
+        counts, rows_edit = counted
+        assert counts.tolist() == [0, 1, 0, 2]
+        assert rows_edit.tolist() == [0] * 4 + [1] * 2 + [3]  # each row's edit
     assert non_finite_counts([large], 0) is None  # on the host, all finite: nothing held back
     assert non_finite_counts([torch.ones(2, 3, dtype=torch.long)], 0) is None  # not floating

@@ -117,29 +117,42 @@ def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
             for total, edit in zip(totals, edits, strict=True)]
 
 
-def non_finite_counts(edits: Sequence[torch.Tensor], token_axis: int) -> torch.Tensor | None:
+def non_finite_counts(edits: Sequence[torch.Tensor], token_axis: int
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """How many NaN or infinite values each edit holds (int64, one per edit, where the edits
-    are): what `non_finite_each` counts, `-inf` on the logits aside. On an accelerator it is
-    counted there and not read (`non_finite_counts_on_device`); on the host, where nothing
-    waits, by the cheaper one sum each, and `None` where every edit is finite (nothing to hold
-    back), as it is for edits that are not floating point."""
+    are), with each row's edit (the index of the edit each row along `token_axis` belongs to,
+    in the edits' order): what `non_finite_each` counts, `-inf` on the logits aside. On an
+    accelerator it is counted there and not read (`non_finite_counts_on_device`); on the host,
+    where nothing waits, by the cheaper one sum each, and `None` where every edit is finite
+    (nothing to hold back), as it is for edits that are not floating point."""
     if not edits[0].is_floating_point():
         return None
     if edits[0].device.type != "cpu":
         return non_finite_counts_on_device(edits, token_axis)
     counts = non_finite_each(edits, "")
-    return torch.tensor(counts, dtype=torch.long) if any(counts) else None
+    if not any(counts):
+        return None
+    return torch.tensor(counts, dtype=torch.long), _rows_edit(edits, token_axis)
 
 
-def non_finite_counts_on_device(edits: Sequence[torch.Tensor], token_axis: int) -> torch.Tensor:
+def non_finite_counts_on_device(edits: Sequence[torch.Tensor], token_axis: int
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """`non_finite_counts` in a few kernels whatever the number of edits (floating tensors of
     one layout but their token axis, `token_axis`): joined by rows, counted row by row, the
-    rows' counts added up per edit."""
+    rows' counts added up per edit by the index of each row's edit, which comes back with
+    them."""
+    owners = _rows_edit(edits, token_axis)
     rows = [_by_rows(edit, token_axis) for edit in edits]
     per_row = (~torch.isfinite(torch.cat(rows) if len(rows) > 1 else rows[0])).sum(1)
-    owners = np.repeat(np.arange(len(rows)), [len(row) for row in rows])
-    return torch.zeros(len(rows), dtype=torch.long, device=per_row.device).index_add_(
-        0, torch.from_numpy(owners).to(per_row.device, non_blocking=True), per_row)
+    counts = torch.zeros(len(rows), dtype=torch.long, device=per_row.device)
+    return counts.index_add_(0, owners, per_row), owners
+
+
+def _rows_edit(edits: Sequence[torch.Tensor], token_axis: int) -> torch.Tensor:
+    """The index of the edit each row of `edits` (joined along `token_axis`) belongs to, on
+    the edits' device (copied there without waiting)."""
+    owners = np.repeat(np.arange(len(edits)), [edit.shape[token_axis] for edit in edits])
+    return torch.from_numpy(owners).to(edits[0].device, non_blocking=True)
 
 
 def _by_rows(edit: torch.Tensor, token_axis: int) -> torch.Tensor:

@@ -713,14 +713,13 @@ def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: V
     counts, for the store to read later and fail whom they refuse (`SaveStore.check_later`,
     once the writes are made). `(None, None)` where the answers are on the host already and
     every edit passed: there is nothing to hold back."""
-    bad = non_finite_counts([edited for _, edited, _ in edits], token_axis)
-    if bad is None:
+    counted = non_finite_counts([edited for _, edited, _ in edits], token_axis)
+    if counted is None:
         return None, None
+    bad, owners = counted
     described = [(want, edited.numel(), what) for want, edited, what in edits]
     checks = UnreadChecks([want.program_id for want, _, _ in edits], bad,
                           partial(_non_finite_failure, described, value))
-    owners = torch.from_numpy(np.repeat(np.arange(len(edits)), [
-        edited.shape[token_axis] for _, edited, _ in edits])).to(bad.device, non_blocking=True)
     return (bad == 0)[owners].to(device, non_blocking=True), checks
 
 

@@ -7,10 +7,10 @@ ahead to the next step). Instead the device keeps the answer — how many NaN or
 each request's result holds, so no result is kept alive for the error message: each request's
 rows are written only where its count is 0 (`tokenspan.widen`'s `written_rows`), the counts
 are copied to pinned host memory behind the forward, and the store reads them before it next
-says whether one
-of those programs failed (`SaveStore.failed`: the next step's plan at the latest, or a later
-edit of the same program in the same forward), failing the requests whose result was not
-finite with the same error as before. Nothing non-finite is ever written either way.
+says whether one of those programs failed (`SaveStore.failed`: the next step's plan at the
+latest, or a later edit of the same program in the same forward), failing the requests whose
+result was not finite with the same error as before. Nothing non-finite is ever written either
+way.
 """
 
 from __future__ import annotations
