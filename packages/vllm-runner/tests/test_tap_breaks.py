@@ -36,6 +36,7 @@ class FakeCapture:
 
     def __init__(self) -> None:
         self.recorded: list[Any] = []
+        self.keys: list[str] = []
 
     def add_eager(self, body):
         self.recorded.append(body)
@@ -44,6 +45,15 @@ class FakeCapture:
     def replay(self) -> None:
         for body in self.recorded:
             body()
+
+
+class OurFakeCapture(FakeCapture):
+    """Ours (`TapBrokenCapture`): a tap is kept with its key (`add_tap`), for the replays that
+    stop only at the taps a step needs."""
+
+    def add_tap(self, body, key: str) -> None:
+        self.add_eager(body)
+        self.keys.append(key)
 
 
 class Server:
@@ -64,8 +74,9 @@ def capturing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """A breakable capture active on this thread — ours (`TapBrokenCapture`) or vLLM's own
     (a user's `VLLM_USE_BREAKABLE_CUDAGRAPH=1`) — its stream capturing; references to tensors
     made by a recorder (vLLM's weak references need its CUDA extension)."""
-    capture = FakeCapture()
-    registry = tap_breaks.captures if request.param == "ours" else BreakableCUDAGraphCapture._tls
+    ours = request.param == "ours"
+    capture = OurFakeCapture() if ours else FakeCapture()
+    registry = tap_breaks.captures if ours else BreakableCUDAGraphCapture._tls
     monkeypatch.setattr(registry, "active", capture, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     capture.weak = []
@@ -81,6 +92,9 @@ def test_a_tap_met_during_a_breakable_capture_ends_the_segment_and_runs_at_every
     server = Server()
     torch.ops.vllm_interp.tap([residual, hidden], "layers.0.layer_output|(T,T,)")
     assert len(capturing.recorded) == 1 and server.served == []  # nobody served at capture
+    # Ours keeps the tap's key (its locations); vLLM's own capture has no place for it.
+    assert capturing.keys == (["layers.0.layer_output|(T,T,)"]
+                              if isinstance(capturing, OurFakeCapture) else [])
     # Each tensor held through a reference that does not keep the graph's memory alive.
     assert [id(tensor) for tensor in capturing.weak] == [id(residual), id(hidden)]
     taps.serve_taps(server)
@@ -185,8 +199,8 @@ def made(monkeypatch: pytest.MonkeyPatch, samples: list[int] | None = None) -> A
         forward()
         tokens = manager.forwards[-1][0]
         manager.free -= 100 * tokens
-        return SimpleNamespace(replay=lambda: manager.replayed.append(f"broken {tokens}"),
-                               pool=pool)
+        return SimpleNamespace(pool=pool, replay_for=lambda waited_at: manager.replayed.append(
+            f"broken {tokens} waited at {list(waited_at)}"))
 
     monkeypatch.setattr(vllm_v2_tap_graphs, "capture_broken", capture_broken)
     break_at_taps(manager)
@@ -227,7 +241,8 @@ def test_a_replay_is_broken_at_the_taps_only_on_a_step_marked_so(
     v2_captures(manager)
     counted: list[str] = []
     manager.run_fullgraph(FULL_4)
-    with vllm_v2_tap_graphs.tap_breaks_for(manager, lambda: counted.append("replayed")) as mark:
+    with vllm_v2_tap_graphs.tap_breaks_for(manager, lambda: counted.append("replayed"),
+                                           lambda: ["b"]) as mark:
         manager.run_fullgraph(FULL_8)  # not marked yet: V2's own
         mark(True)
         broken = manager.run_fullgraph(FULL_4)
@@ -235,7 +250,9 @@ def test_a_replay_is_broken_at_the_taps_only_on_a_step_marked_so(
         manager.run_fullgraph(FULL_4)
         mark(True)
     manager.run_fullgraph(FULL_4)  # after the block: V2's own again, whatever was marked
-    assert manager.replayed == ["v2 4", "v2 8", "broken 4", "v2 4", "v2 4"]
+    # The broken replay asks the step's runtime which taps it needs (`tap_replays`).
+    assert manager.replayed == ["v2 4", "v2 8", "broken 4 waited at ['b']", "v2 4", "v2 4"]
+    assert list(manager.interp_waited_at()) == []  # after the block: no step to ask
     assert counted == ["replayed"]  # each broken replay counted, nothing else
     # V2's persistent hidden states, where the broken capture's forward copied its output.
     assert broken.data_ptr() == manager.hidden_states.data_ptr() and broken.shape == (4,)
@@ -285,7 +302,7 @@ def test_a_failed_broken_capture_leaves_v2s_graphs_and_no_broken_one(
         calls += 1
         if calls == 2:
             raise RuntimeError("operation not permitted when stream is capturing")
-        return SimpleNamespace(replay=lambda: None)
+        return SimpleNamespace(replay_for=lambda waited_at: None)
 
     monkeypatch.setattr(vllm_v2_tap_graphs, "capture_broken", fails_second)
     v2_captures(manager)

@@ -50,6 +50,9 @@ class FakeRuntime:
     def count_tap_break(self) -> None:
         self.forwards["tap_breaks"] += 1
 
+    def locations_waited_at(self) -> list[str]:
+        return ["layers.0.layer_output"]  # where the default program saves
+
     def program(self, data, prompt_length):
         return Program(data["program_id"], "digest", tuple(
             op_from_data(op) for op in data["ops"]) or (ops.Save("layers.0.layer_output"),))
@@ -320,8 +323,12 @@ class BrokenFakeGraphs(FakeGraphs, TapBrokenGraphs):
         super().__init__()
         self.replayed: list[str] = []
         self.graphs = {FULL: SimpleNamespace(replay=lambda: self.replayed.append("v2"))}
-        self.interp_broken = {FULL: SimpleNamespace(replay=lambda: self.replayed.append("broken"))}
+        # A broken replay asks the runtime where the step waits (`tap_replays`).
+        self.interp_broken = {FULL: SimpleNamespace(
+            replay_for=lambda waited_at: self.replayed.append(
+                "broken" if list(waited_at) == ["layers.0.layer_output"] else "broken, elsewhere"))}
         self.interp_break_at_taps, self.interp_replayed = False, lambda: None
+        self.interp_waited_at = lambda: ()
 
 
 @pytest.mark.parametrize(("needs", "graphs", "mode", "skipped", "counted", "broken"), [

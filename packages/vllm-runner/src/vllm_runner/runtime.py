@@ -210,6 +210,11 @@ class Runtime:
         """Whether a request of this step waits at the tapped `location`."""
         return bool(self._tokens.wants.get(location))
 
+    def locations_waited_at(self) -> list[str]:
+        """The locations a request of this step waits at (`wants_tap` of each): where a full
+        graph broken at the taps must stop (`tap_replays`)."""
+        return [location for location, groups in self._tokens.wants.items() if groups]
+
     def serve_tap(self, location: str, raw: Any) -> None:
         """One visit of a tap (`taps`): served as a hook's would be."""
         self._visit(location, self.values[location], raw)

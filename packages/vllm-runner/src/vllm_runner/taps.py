@@ -76,7 +76,7 @@ def _run_tap(tensors: list[torch.Tensor], key: str) -> None:
 
 
 def _serve_tap(tensors: list[torch.Tensor], key: str) -> None:
-    locations, structure = _parse_key(key)
+    locations, structure = parse_key(key)
     if not _serving:
         return
     server = _serving[0]
@@ -97,7 +97,8 @@ def _tap_while_tracing(tensors: list[torch.Tensor], key: str) -> None:
 
 
 @cache
-def _parse_key(key: str) -> tuple[tuple[str, ...], str]:
+def parse_key(key: str) -> tuple[tuple[str, ...], str]:
+    """The locations a tap op's `key` serves and the structure of its raw value."""
     locations, structure = key.split("|", 1)
     return tuple(locations.split(";")), structure
 

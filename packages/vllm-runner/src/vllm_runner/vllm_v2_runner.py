@@ -284,7 +284,8 @@ class RunnerV2Mixin:
             return
         dispatch = manager.dispatch
 
-        with tap_breaks_for(manager, self.interp.count_tap_break) as mark_tap_breaks:
+        with tap_breaks_for(manager, self.interp.count_tap_break,
+                            self.interp.locations_waited_at) as mark_tap_breaks:
             def interp_dispatch(num_reqs: int, num_tokens: int, uniform_token_count: int | None,
                                 *args: Any, **kwargs: Any) -> Any:
                 chosen = dispatch(num_reqs, num_tokens, uniform_token_count, *args, **kwargs)

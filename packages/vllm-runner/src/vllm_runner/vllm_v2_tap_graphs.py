@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import cache
 from typing import Any
 
@@ -32,6 +32,9 @@ from vllm.model_executor.offloader.base import get_offloader
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
 from vllm_runner import tap_breaks
+from vllm_runner.graph_joins import joined
+from vllm_runner.tap_replays import GraphPart, Part, TapPart, TapReplays
+from vllm_runner.taps import parse_key
 
 logger = logging.getLogger("vllm.interp")
 
@@ -39,11 +42,51 @@ logger = logging.getLogger("vllm.interp")
 class TapBrokenCapture(BreakableCUDAGraphCapture):
     """vLLM's breakable capture, found by the taps alone: it registers itself as this thread's
     active capture in `tap_breaks.captures`, not where vLLM's breaks (attention's) look
-    (`BreakableCUDAGraphCapture.current()`), so they run inside the graph."""
+    (`BreakableCUDAGraphCapture.current()`), so they run inside the graph. It keeps each
+    segment's graph template (`keep_graph=True`) and which locations each tap serves, so that
+    a step replays it stopping only at the taps it needs (`replay_for`, `tap_replays`)."""
+
+    def __init__(self, pool: Any | None = None) -> None:
+        super().__init__(pool=pool)
+        self.parts: list[Part] = []
+        self._replays: TapReplays | None = None
 
     @classmethod
     def current(cls) -> Any:
         return getattr(tap_breaks.captures, "active", None)
+
+    def _begin_segment(self) -> None:
+        """vLLM's own, with the segment's template kept (joined into others later)."""
+        assert not self._capturing
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        if self.pool is not None:
+            graph.capture_begin(pool=self.pool)
+        else:
+            graph.capture_begin()
+        self._current_graph = graph
+        self._capturing = True
+
+    def _end_segment(self) -> None:
+        """vLLM's own, the segment instantiated now (as a graph that keeps no template is at
+        the end of its capture: no first replay pays for it) and kept as a part."""
+        graph = self._current_graph if self._capturing else None
+        super()._end_segment()
+        if graph is not None:
+            graph.instantiate()
+            self.parts.append(GraphPart(graph))
+
+    def add_tap(self, run: Callable[[], None], key: str) -> None:
+        """A tap met during the capture (`tap_breaks.break_at_tap`): a break, as vLLM's
+        `add_eager` makes, kept as a part that names the locations it serves."""
+        self.add_eager(run)
+        self.parts.append(TapPart(run, parse_key(key)[0]))
+
+    def replay_for(self, waited_at: Iterable[str]) -> None:
+        """Replay the capture stopping only at the taps that serve a location in `waited_at`
+        (the segments between joined into one launch)."""
+        if self._replays is None:
+            self._replays = TapReplays(self.parts, joined)
+        self._replays.replay(waited_at)
 
     def __enter__(self) -> TapBrokenCapture:
         if self.current() is not None:
@@ -74,6 +117,7 @@ class TapBrokenGraphs(CudaGraphManager):
     interp_broken: dict[Any, Any]  # descriptor -> its capture broken at the taps
     interp_break_at_taps: bool  # this step replays the broken capture (`tap_breaks_for`)
     interp_replayed: Callable[[], None]  # told of each broken replay (`tap_breaks_for`)
+    interp_waited_at: Callable[[], Iterable[str]]  # where the step waits (`tap_breaks_for`)
 
     def capture(self, create_forward_fn: Any, *args: Any, **kwargs: Any) -> None:
         """V2's own capture, then every full-graph descriptor's again, broken at the taps. If
@@ -125,7 +169,7 @@ class TapBrokenGraphs(CudaGraphManager):
         if broken is None:
             return super().run_fullgraph(desc)
         get_offloader().sync_prev_onload()
-        broken.replay()
+        broken.replay_for(self.interp_waited_at())
         self.interp_replayed()
         return None
 
@@ -145,10 +189,16 @@ def break_at_taps(manager: Any) -> None:
     manager.interp_broken = {}
     manager.interp_break_at_taps = False
     manager.interp_replayed = _nobody
+    manager.interp_waited_at = _nowhere
 
 
 def _nobody() -> None:
     """Told of a broken replay outside `tap_breaks_for` (there is none: nothing marks one)."""
+
+
+def _nowhere() -> tuple[str, ...]:
+    """Where a step waits outside `tap_breaks_for` (there is no broken replay there)."""
+    return ()
 
 
 @cache
@@ -164,12 +214,15 @@ def has_broken(manager: Any, desc: Any) -> bool:
 
 
 @contextlib.contextmanager
-def tap_breaks_for(manager: Any, replayed: Callable[[], None]
+def tap_breaks_for(manager: Any, replayed: Callable[[], None],
+                   waited_at: Callable[[], Iterable[str]] = _nowhere
                    ) -> Iterator[Callable[[bool], None]]:
-    """Within the block, `mark(True)` makes `manager`'s full-graph replays broken at the taps,
-    and each such replay calls `replayed` (what counts them: a step marked can still run no
-    full graph, where data-parallel ranks agree on none); after it, its replays are V2's own
-    graphs again."""
+    """Within the block, `mark(True)` makes `manager`'s full-graph replays broken at the taps
+    that serve a location in `waited_at()` (the runtime's `locations_waited_at`, asked as the
+    graph is replayed, once the step is planned), and each such replay calls `replayed` (what
+    counts them: a step
+    marked can still run no full graph, where data-parallel ranks agree on none); after it,
+    its replays are V2's own graphs again."""
     if not isinstance(manager, TapBrokenGraphs):  # nothing to break: marks change nothing
         yield lambda breaks: None
         return
@@ -177,12 +230,12 @@ def tap_breaks_for(manager: Any, replayed: Callable[[], None]
     def mark(breaks: bool) -> None:
         manager.interp_break_at_taps = breaks
 
-    manager.interp_replayed = replayed
+    manager.interp_replayed, manager.interp_waited_at = replayed, waited_at
     try:
         yield mark
     finally:
         manager.interp_break_at_taps = False
-        manager.interp_replayed = _nobody
+        manager.interp_replayed, manager.interp_waited_at = _nobody, _nowhere
 
 
 def free_memory() -> int:
