@@ -5,6 +5,7 @@ The oracle is plain torch on each request's own rows."""
 from __future__ import annotations
 
 from itertools import pairwise
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from parts import (
 )
 from vllm_runner import ops, serving
 from vllm_runner.hooks import Hooks
+from vllm_runner.op_checks import non_finite_counts, non_finite_counts_on_device
 from vllm_runner.step_plan import NOTHING_PLANNED, plan_step, sampled_rows
 from vllm_runner.store import SaveStore
 
@@ -144,6 +146,59 @@ def test_filtered_edits_served_together_equal_each_request_served_alone(
         assert keep is not None or not op.filtered
         expected = [keep is None or keep(position) for position in positions.tolist()]
         assert op.kept_rows(positions, torch.full_like(positions, length)).tolist() == expected
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(0, 12)), min_size=2, max_size=6),
+       st.lists(st.integers(-8, 14), max_size=3).map(lambda found: tuple(found) or None),
+       st.sampled_from(["all", "prefill", "decode"]), st.integers(4, 9), st.booleans(),
+       st.data())
+def test_an_edit_not_finite_on_some_requests_rows_fails_them_alone_served_together_or_not(
+        requests, positions, steps, prompt_length, as_on_a_gpu, data) -> None:
+    """A `Scale` that overflows to infinity on the slab's larger values (with `positions` and
+    `steps` filters) on a group: the requests whose kept rows overflow fail with the usual
+    error and keep their rows as they were, the others are edited — served together
+    (`_edit_together`: each member's edit counted and written where its count allows, the
+    counts read afterwards) as served one by one, on the host and with the counts made as on a
+    GPU (`non_finite_counts_on_device`). No infinity is ever written."""
+    layout = layout_of([count for count, _ in requests], [first for _, first in requests])
+    chosen = data.draw(st.lists(st.sampled_from(list(layout.keys)), min_size=2, unique=True))
+    op = ops.Scale("layers.0.layer_output", 1e37, positions=positions, steps=steps)
+    wanted = [request._replace(prompt_length=prompt_length + index) for index, request in
+              enumerate(scheduled(layout, [op])) if request.request_id in chosen]
+    plan = plan_step(layout, wanted, locations_of)
+    value = residual_value(Toy())
+    (group,) = plan.tokens.wants["layers.0.layer_output"]
+    results = []
+    with mock.patch.object(serving, "non_finite_counts",
+                           non_finite_counts_on_device if as_on_a_gpu else non_finite_counts):
+        for together in (True, False):
+            engine_rows, used = slab(layout.total), services()
+            if together:
+                assert served_through("_edit_together", value, engine_rows, plan.tokens,
+                                      used) == [True]
+            else:
+                for want in group:
+                    serving.serve_one(want, value, engine_rows, layout, 1, used)
+            results.append((engine_rows, {want.request_id: used.store.error(want.program_id)
+                                          for want in group}))
+    (together_rows, together_errors), (alone_rows, alone_errors) = results
+    torch.testing.assert_close(together_rows, alone_rows, rtol=0, atol=0)
+    assert torch.isfinite(together_rows).all()
+    assert together_errors == alone_errors
+    expected = slab(layout.total)  # by hand: each request's kept rows scaled, unless one overflows
+    for want in group:
+        span, length = want.span, want.step.prompt_length
+        rows = expected[span.start:span.stop]
+        keep = op.kept_rows(span.positions(), torch.full((len(span),), length)).view(-1, 1)
+        scaled = torch.where(keep, rows * 1e37, rows)
+        refused = not bool(torch.isfinite(scaled).all())
+        assert (together_errors[want.request_id] is not None) is refused
+        if refused:
+            assert "non-finite" in (together_errors[want.request_id] or "")
+        else:
+            expected[span.start:span.stop] = scaled
+    torch.testing.assert_close(together_rows, expected, rtol=0, atol=0)
 
 
 def test_positions_limit_an_edit_to_the_rows_it_keeps() -> None:

@@ -331,7 +331,8 @@ class EditOp(RowOp):
 
     def serve(self, visit: Visit) -> None:
         """Edit the request's rows it keeps and write them back; a non-finite result fails the
-        request before anything is written."""
+        request and is not written (`Visit.write_if_finite`: the host does not wait for the
+        device's answer)."""
         current = visit.read()
         edited = self.edited(current, visit.value.eproperty.layout)
         axis = visit.token_axis
@@ -340,8 +341,7 @@ class EditOp(RowOp):
             keep = self.kept_rows(positions, torch.full_like(positions,
                                                              visit.want.step.prompt_length))
             edited = with_rows_kept(edited, current, keep, axis)
-        refuse_non_finite(edited, f"the {self.kind}", visit.location)
-        visit.write(edited)
+        visit.write_if_finite(edited, f"the {self.kind}")
 
 
 def with_rows_kept(edited: torch.Tensor, current: torch.Tensor, keep: torch.Tensor,

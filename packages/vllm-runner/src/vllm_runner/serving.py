@@ -7,7 +7,7 @@ into the engine's tensors in place (`tokenspan.widen`), only on the request's ro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
@@ -495,18 +495,26 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
                    token_axis: int, store: SaveStore) -> bool:
     """One read, edit and write per run of adjacent rows (rows the op does not keep, by its
     `positions` and `steps`, written back as read; a run it keeps no row of is left alone);
-    nothing is written unless every run was edited."""
+    nothing is written unless every run was edited. Each member's rows are written only where
+    its edit is free of NaN and infinity, counted on the device (`_checked_on_the_device`: the
+    host does not wait; a member refused fails alone once the store reads the counts); on the
+    logits, where `-inf` is allowed, a refusal is known at once and serves them one by one."""
     step = members[0].step
     selection = members.selected(layout)
     kept = None
     if op.filtered:
         kept = op.kept_rows(selection.positions, selection.per_row(
             torch.tensor(members.selected_prompt_lengths(layout), dtype=torch.long)))
-    writes = []
+    by_id = {want.request_id: want for want in members}
+    owners = iter(zip([by_id[str(key)] for key in selection.keys], selection.counts,
+                      strict=True))
+    what = f"the {op.kind}"
+    edited_runs: list[tuple[Span, Any, torch.Tensor, list[tuple[Want, int]]]] = []
     at = 0
     try:
         for start, stop in selection.runs:
             run = Span(start, stop)
+            in_run = _members_of_run(owners, len(run))
             keep = None if kept is None else kept[at:at + len(run)]
             at += len(run)
             if keep is not None and not keep.any():
@@ -518,12 +526,40 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
             edited = op.edited(current, value.eproperty.layout)
             if keep is not None:
                 edited = with_rows_kept(edited, current, keep, token_axis)
-            refuse_non_finite(edited, f"the {op.kind}", value.location)
-            writes.append((run, value.write(rows, edited, step), None))
+            if value.location == "logits":
+                refuse_non_finite(edited, what, value.location)
+            edited_runs.append((run, rows, edited, in_run))
+        written_rows = checks = None
+        if edited_runs and value.location != "logits":
+            written_rows, checks = _checked_on_the_device([
+                (want, piece, what) for _, _, edited, in_run in edited_runs
+                for (want, _), piece in zip(in_run, edited.split(
+                    [count for _, count in in_run], token_axis), strict=True)],
+                value, token_axis, _device_of(raw))
+        writes = []
+        first = 0  # each run's first row among the edited runs' rows
+        for run, rows, edited, _ in edited_runs:
+            writes.append((run, value.write(rows, edited, step),
+                           None if written_rows is None else written_rows[first:first + len(run)]))
+            first += len(run)
     except Exception:
         return False  # nothing written yet: served one by one, each with its own error
+    if checks is not None:
+        store.check_later(checks)
     _write_runs(writes, raw, layout, members, f"{op.kind} at {value.location}", store)
     return True
+
+
+def _members_of_run(owners: Iterator[tuple[Want, int]], rows: int) -> list[tuple[Want, int]]:
+    """The next members (each with its count of rows) of a selection walked in row order
+    (`owners`) that fill a run of `rows` adjacent rows (a member's rows are adjacent: never
+    split between runs)."""
+    members: list[tuple[Want, int]] = []
+    while rows > 0:
+        want, count = next(owners)
+        members.append((want, count))
+        rows -= count
+    return members
 
 
 def _write_runs(writes: Sequence[tuple[Span, Any, torch.Tensor | None]], raw: Any,
