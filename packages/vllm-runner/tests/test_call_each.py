@@ -210,3 +210,11 @@ def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dt
         assert rows_edit.tolist() == [0] * 4 + [1] * 2 + [3]  # each row's edit
     assert non_finite_counts([large], 0) is None  # on the host, all finite: nothing held back
     assert non_finite_counts([torch.ones(2, 3, dtype=torch.long)], 0) is None  # not floating
+    # Owners other than the edits (an edit of a run of rows holds several requests' rows):
+    # the rows, joined, counted for the owner of each.
+    runs = [torch.cat([large[:3], nan]), infinite]  # rows: 3 large, 2 of which one NaN, 1 inf
+    for counted in (non_finite_counts(runs, 0, [2, 3, 1]),
+                    non_finite_counts_on_device([run.T for run in runs], 1, [2, 3, 1])):
+        assert counted is not None
+        counts, rows_owner = counted
+        assert counts.tolist() == [0, 1, 2] and rows_owner.tolist() == [0, 0, 1, 1, 1, 2]

@@ -22,7 +22,11 @@ from parts import (
 )
 from vllm_runner import ops, serving
 from vllm_runner.hooks import Hooks
-from vllm_runner.op_checks import non_finite_counts, non_finite_counts_on_device
+from vllm_runner.op_checks import (
+    finite_on_the_host,
+    non_finite_counts,
+    non_finite_counts_on_device,
+)
 from vllm_runner.step_plan import NOTHING_PLANNED, plan_step, sampled_rows
 from vllm_runner.store import SaveStore
 
@@ -171,7 +175,9 @@ def test_an_edit_not_finite_on_some_requests_rows_fails_them_alone_served_togeth
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     results = []
     with mock.patch.object(serving, "non_finite_counts",
-                           non_finite_counts_on_device if as_on_a_gpu else non_finite_counts):
+                           non_finite_counts_on_device if as_on_a_gpu else non_finite_counts), \
+            mock.patch.object(serving, "finite_on_the_host",
+                              (lambda edits: False) if as_on_a_gpu else finite_on_the_host):
         for together in (True, False):
             engine_rows, used = slab(layout.total), services()
             if together:

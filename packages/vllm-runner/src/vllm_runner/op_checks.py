@@ -117,42 +117,56 @@ def non_finite_each(edits: Sequence[torch.Tensor], location: str) -> list[int]:
             for total, edit in zip(totals, edits, strict=True)]
 
 
-def non_finite_counts(edits: Sequence[torch.Tensor], token_axis: int
+def finite_on_the_host(edits: Sequence[torch.Tensor]) -> bool:
+    """Whether `edits` are on the host and free of NaN and infinity (or not floating point):
+    nothing to count per request then, answered by one sum each. `False` on an accelerator,
+    where reading the answer would make the host wait (`non_finite_counts` counts there)."""
+    if not edits[0].is_floating_point():
+        return True
+    if edits[0].device.type != "cpu":
+        return False
+    return not any(non_finite(edit, False) for edit in edits)
+
+
+def non_finite_counts(edits: Sequence[torch.Tensor], token_axis: int,
+                      rows_per_owner: Sequence[int] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """How many NaN or infinite values each edit holds (int64, one per edit, where the edits
-    are), with each row's edit (the index of the edit each row along `token_axis` belongs to,
-    in the edits' order): what `non_finite_each` counts, `-inf` on the logits aside. On an
+    """How many NaN or infinite values each owner's rows hold (int64, one per owner, where the
+    edits are), with each row's owner (the index of the owner each row along `token_axis`
+    belongs to, the edits joined in their order): what `non_finite_each` counts, `-inf` on the
+    logits aside. The owners hold consecutive rows, `rows_per_owner` of them each (by default
+    one owner per edit: an edit of a run of rows can count for each request in it). On an
     accelerator it is counted there and not read (`non_finite_counts_on_device`); on the host,
-    where nothing waits, by the cheaper one sum each, and `None` where every edit is finite
-    (nothing to hold back), as it is for edits that are not floating point."""
+    where nothing waits, first by the cheaper one sum per edit, and `None` where every edit is
+    finite (nothing to hold back), as it is for edits that are not floating point."""
     if not edits[0].is_floating_point():
         return None
-    if edits[0].device.type != "cpu":
-        return non_finite_counts_on_device(edits, token_axis)
-    counts = non_finite_each(edits, "")
-    if not any(counts):
+    if edits[0].device.type == "cpu" and not any(non_finite_each(edits, "")):
         return None
-    return torch.tensor(counts, dtype=torch.long), _rows_edit(edits, token_axis)
+    return non_finite_counts_on_device(edits, token_axis, rows_per_owner)
 
 
-def non_finite_counts_on_device(edits: Sequence[torch.Tensor], token_axis: int
+def non_finite_counts_on_device(edits: Sequence[torch.Tensor], token_axis: int,
+                                rows_per_owner: Sequence[int] | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`non_finite_counts` in a few kernels whatever the number of edits (floating tensors of
-    one layout but their token axis, `token_axis`): joined by rows, counted row by row, the
-    rows' counts added up per edit by the index of each row's edit, which comes back with
-    them."""
-    owners = _rows_edit(edits, token_axis)
+    """`non_finite_counts` in a few kernels whatever the number of edits or owners (floating
+    tensors of one layout but their token axis, `token_axis`): joined by rows, counted row by
+    row, the rows' counts added up per owner by the index of each row's owner, which comes back
+    with them."""
+    if rows_per_owner is None:
+        rows_per_owner = [edit.shape[token_axis] for edit in edits]
+    owners = _rows_owner(rows_per_owner, edits[0].device)
     rows = [_by_rows(edit, token_axis) for edit in edits]
     per_row = (~torch.isfinite(torch.cat(rows) if len(rows) > 1 else rows[0])).sum(1)
-    counts = torch.zeros(len(rows), dtype=torch.long, device=per_row.device)
+    counts = torch.zeros(len(rows_per_owner), dtype=torch.long, device=per_row.device)
     return counts.index_add_(0, owners, per_row), owners
 
 
-def _rows_edit(edits: Sequence[torch.Tensor], token_axis: int) -> torch.Tensor:
-    """The index of the edit each row of `edits` (joined along `token_axis`) belongs to, on
-    the edits' device (copied there without waiting)."""
-    owners = np.repeat(np.arange(len(edits)), [edit.shape[token_axis] for edit in edits])
-    return torch.from_numpy(owners).to(edits[0].device, non_blocking=True)
+def _rows_owner(rows_per_owner: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The index of the owner of each row, owners holding `rows_per_owner` consecutive rows
+    each, on `device` (copied there without waiting)."""
+    owners = np.repeat(np.arange(len(rows_per_owner)), rows_per_owner)
+    return torch.from_numpy(owners).to(device, non_blocking=True)
 
 
 def _by_rows(edit: torch.Tensor, token_axis: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ into the engine's tensors in place (`tokenspan.widen`), only on the request's ro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
@@ -23,6 +23,7 @@ from vllm_envoys.pattern import Pattern
 
 from vllm_runner.key_history import KeyHistory, reads_pattern
 from vllm_runner.op_checks import (
+    finite_on_the_host,
     non_finite_counts,
     non_finite_each,
     non_finite_error,
@@ -496,25 +497,22 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
     """One read, edit and write per run of adjacent rows (rows the op does not keep, by its
     `positions` and `steps`, written back as read; a run it keeps no row of is left alone);
     nothing is written unless every run was edited. Each member's rows are written only where
-    its edit is free of NaN and infinity, counted on the device (`_checked_on_the_device`: the
-    host does not wait; a member refused fails alone once the store reads the counts); on the
-    logits, where `-inf` is allowed, a refusal is known at once and serves them one by one."""
+    its edit is free of NaN and infinity, counted on the device (`_checked_rows`: the host
+    does not wait; a member refused fails alone once the store reads the counts); on the host
+    the runs are checked first, and members counted only if one is not finite; on the logits,
+    where `-inf` is allowed, a refusal is known at once and serves them one by one."""
     step = members[0].step
     selection = members.selected(layout)
     kept = None
     if op.filtered:
         kept = op.kept_rows(selection.positions, selection.per_row(
             torch.tensor(members.selected_prompt_lengths(layout), dtype=torch.long)))
-    by_id = {want.request_id: want for want in members}
-    owners = iter(zip([by_id[str(key)] for key in selection.keys], selection.counts,
-                      strict=True))
     what = f"the {op.kind}"
-    edited_runs: list[tuple[Span, Any, torch.Tensor, list[tuple[Want, int]]]] = []
+    edited_runs: list[tuple[int, Span, Any, torch.Tensor]] = []  # run's index, rows, edit
     at = 0
     try:
-        for start, stop in selection.runs:
+        for index, (start, stop) in enumerate(selection.runs):
             run = Span(start, stop)
-            in_run = _members_of_run(owners, len(run))
             keep = None if kept is None else kept[at:at + len(run)]
             at += len(run)
             if keep is not None and not keep.any():
@@ -528,17 +526,16 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
                 edited = with_rows_kept(edited, current, keep, token_axis)
             if value.location == "logits":
                 refuse_non_finite(edited, what, value.location)
-            edited_runs.append((run, rows, edited, in_run))
+            edited_runs.append((index, run, rows, edited))
         written_rows = checks = None
-        if edited_runs and value.location != "logits":
-            written_rows, checks = _checked_on_the_device([
-                (want, piece, what) for _, _, edited, in_run in edited_runs
-                for (want, _), piece in zip(in_run, edited.split(
-                    [count for _, count in in_run], token_axis), strict=True)],
-                value, token_axis, _device_of(raw))
+        edits = [edited for _, _, _, edited in edited_runs]
+        if edits and value.location != "logits" and not finite_on_the_host(edits):
+            written_rows, checks = _checked_rows(
+                edits, _run_members(members, selection, edited_runs, what), value,
+                token_axis, _device_of(raw))
         writes = []
         first = 0  # each run's first row among the edited runs' rows
-        for run, rows, edited, _ in edited_runs:
+        for _, run, rows, edited in edited_runs:
             writes.append((run, value.write(rows, edited, step),
                            None if written_rows is None else written_rows[first:first + len(run)]))
             first += len(run)
@@ -550,16 +547,26 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
     return True
 
 
-def _members_of_run(owners: Iterator[tuple[Want, int]], rows: int) -> list[tuple[Want, int]]:
-    """The next members (each with its count of rows) of a selection walked in row order
-    (`owners`) that fill a run of `rows` adjacent rows (a member's rows are adjacent: never
-    split between runs)."""
-    members: list[tuple[Want, int]] = []
-    while rows > 0:
-        want, count = next(owners)
-        members.append((want, count))
-        rows -= count
-    return members
+def _run_members(members: OpGroup, selection: Selection,
+                 edited_runs: list[tuple[int, Span, Any, torch.Tensor]], what: str
+                 ) -> list[tuple[Want, int, int, str]]:
+    """The members whose rows the edited runs hold, in row order, each with its count of rows,
+    the size of its part of its run's edit and `what` made it (`_checked_rows`' owners). A
+    member's rows are adjacent: never split between runs."""
+    by_id = {want.request_id: want for want in members}
+    owners = iter(zip([by_id[str(key)] for key in selection.keys], selection.counts,
+                      strict=True))
+    edited = {index: (len(run), edit.numel() // max(len(run), 1))
+              for index, run, _, edit in edited_runs}
+    found: list[tuple[Want, int, int, str]] = []
+    for index, (start, stop) in enumerate(selection.runs):
+        rows = stop - start
+        while rows > 0:
+            want, count = next(owners)
+            rows -= count
+            if index in edited:
+                found.append((want, count, count * edited[index][1], what))
+    return found
 
 
 def _write_runs(writes: Sequence[tuple[Span, Any, torch.Tensor | None]], raw: Any,
@@ -744,19 +751,30 @@ def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, ra
 def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: Value,
                            token_axis: int, device: torch.device
                            ) -> tuple[torch.Tensor | None, UnreadChecks | None]:
-    """Whether each row of the edits (in their order; `device`: the engine rows') may be
-    written — its request's edit is free of NaN and infinity, counted on the device — and the
-    counts, for the store to read later and fail whom they refuse (`SaveStore.check_later`,
-    once the writes are made). `(None, None)` where the answers are on the host already and
-    every edit passed: there is nothing to hold back."""
-    counted = non_finite_counts([edited for _, edited, _ in edits], token_axis)
+    """Whether each row of the edits (each a request's, in their order; `device`: the engine
+    rows') may be written — its request's edit is free of NaN and infinity, counted on the
+    device — and the counts, for the store to read later and fail whom they refuse
+    (`SaveStore.check_later`, once the writes are made). `(None, None)` where the answers are
+    on the host already and every edit passed: there is nothing to hold back."""
+    return _checked_rows([edited for _, edited, _ in edits],
+                         [(want, edited.shape[token_axis], edited.numel(), what)
+                          for want, edited, what in edits], value, token_axis, device)
+
+
+def _checked_rows(edits: list[torch.Tensor], owners: list[tuple[Want, int, int, str]],
+                  value: Value, token_axis: int, device: torch.device
+                  ) -> tuple[torch.Tensor | None, UnreadChecks | None]:
+    """`_checked_on_the_device` for edits that may each hold several requests' rows (an edit
+    of a run of adjacent rows): `owners` are the requests whose rows the edits hold, in order,
+    each with its count of rows, the size of its part and what made it."""
+    counted = non_finite_counts(edits, token_axis, [rows for _, rows, _, _ in owners])
     if counted is None:
         return None, None
-    bad, owners = counted
-    described = [(want, edited.numel(), what) for want, edited, what in edits]
-    checks = UnreadChecks([want.program_id for want, _, _ in edits], bad,
+    bad, rows_owner = counted
+    described = [(want, size, what) for want, _, size, what in owners]
+    checks = UnreadChecks([want.program_id for want, _, _, _ in owners], bad,
                           partial(_non_finite_failure, described, value))
-    return (bad == 0)[owners].to(device, non_blocking=True), checks
+    return (bad == 0)[rows_owner].to(device, non_blocking=True), checks
 
 
 def _non_finite_failure(described: list[tuple[Want, int, str]], value: Value, index: int,

@@ -3,7 +3,7 @@
 A full graph broken at every tap (`tap_breaks`) replays as graph, tap, graph, tap, ...: on the
 SmolLM2 shape with every layer a tap that is 31 graph launches and 30 taps' Python a step,
 however few taps the step's programs use (a `Call` at one layer pays for all 30). Here the
-graph segments between the taps a step needs are joined into one CUDA graph (`graph_merge`:
+graph segments between the taps a step needs are joined into one CUDA graph (`graph_joins`:
 each segment a child of a new graph, made once per set of needed taps and kept), and the taps
 nobody waits at this step are left out: their Python would find nobody and return. The work
 on the device is the same kernels in the same order on the same memory; only the host's
@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 logger = logging.getLogger("vllm.interp")
+
+_told = False  # whether a failure to join was logged with its error in this process
 
 #: At most this many sets of needed taps get joined graphs, per capture (each set costs one
 #: graph's instantiation and its memory on the device); further sets replay the segments one
@@ -127,9 +129,16 @@ class TapReplays:
         return launches
 
     def _stop_joining(self, what: str) -> None:
-        """Joined graphs failed (to be `what`): say so once, and join no more."""
-        logger.exception("vllm-runner: joined graph segments could not be %s; the steps that "
-                         "stop at a few taps replay every segment on its own", what)
+        """Joined graphs failed (to be `what`): join no more for this capture, and say so with
+        the error the first time in the process (every capture of the engine would fail
+        alike); later ones in a line."""
+        global _told
+        if _told:
+            logger.warning("vllm-runner: joined graph segments could not be %s (again)", what)
+        else:
+            logger.exception("vllm-runner: joined graph segments could not be %s; the steps "
+                             "that stop at a few taps replay every segment on its own", what)
+            _told = True
         self._joining_failed = True
         self._launches.clear()
 

@@ -104,7 +104,7 @@ class TapBrokenCapture(BreakableCUDAGraphCapture):
 
 def capture_broken(forward: Callable[[], Any], pool: Any) -> TapBrokenCapture:
     """`forward` (V2's capture forward for one batch descriptor) captured into `pool`, broken at
-    the taps only; replay it with `.replay()`."""
+    the taps only; a step replays it with `.replay_for(locations it waits at)`."""
     torch.cuda.synchronize()  # as `torch.cuda.graph` does before it captures
     with TapBrokenCapture(pool=pool) as capture:
         forward()
@@ -215,7 +215,7 @@ def has_broken(manager: Any, desc: Any) -> bool:
 
 @contextlib.contextmanager
 def tap_breaks_for(manager: Any, replayed: Callable[[], None],
-                   waited_at: Callable[[], Iterable[str]] = _nowhere
+                   waited_at: Callable[[], Iterable[str]]
                    ) -> Iterator[Callable[[bool], None]]:
     """Within the block, `mark(True)` makes `manager`'s full-graph replays broken at the taps
     that serve a location in `waited_at()` (the runtime's `locations_waited_at`, asked as the
