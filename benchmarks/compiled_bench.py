@@ -512,7 +512,9 @@ def render(arguments: argparse.Namespace, arms: list[str], timings: Timings,
         "`in_graph` those served from the graph's buffers alone (arms b, d, e at the middle "
         "layer); `eager` the forwards of steps whose programs acted where no tap serves (the "
         "`untapped` arm's); `tap_breaks` those of the `taps` forwards that replayed a full "
-        "CUDA graph broken at the taps (the rest ran the piecewise graphs).",
+        "CUDA graph broken at the taps (the rest ran the piecewise graphs), and "
+        "`tap_breaks_joined` those of them whose segments ran joined around the taps their "
+        "step did not need.",
     ]
     lines += [
         "",

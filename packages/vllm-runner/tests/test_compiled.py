@@ -198,7 +198,8 @@ def test_requests_without_programs_run_compiled_and_equal_a_bare_compiled_engine
         ours, bare) -> None:
     plain = ours["plain"]
     assert plain["forwards"] == {"compiled": plain["forwards"]["compiled"], "taps": 0,
-                                 "in_graph": 0, "eager": 0, "tap_breaks": 0}
+                                 "in_graph": 0, "eager": 0, "tap_breaks": 0,
+                                 "tap_breaks_joined": 0}
     assert plain["forwards"]["compiled"] > 0
     as_the_bare_engine(plain["outputs"], bare["plain"])
 
@@ -246,9 +247,11 @@ def test_a_request_traced_at_taps_runs_compiled_and_equals_transformers(
         ours, llm, reference) -> None:
     traced = ours["traced at taps"]
     # On a GPU the decode step replays V2's full graph broken at the taps, its prompt's step
-    # the piecewise graphs; the CPU captures no graph.
+    # the piecewise graphs; the CPU captures no graph. The graph serves the layer outputs' saves,
+    # so the decode step waits at one tap of three (the neurons'): its replay joins the graph
+    # segments around the other two (`tap_replays`).
     assert traced["forwards"] == {"compiled": 4, "taps": 2, "in_graph": 0, "eager": 0,
-                                  "tap_breaks": TAP_BREAKS}
+                                  "tap_breaks": TAP_BREAKS, "tap_breaks_joined": TAP_BREAKS}
     check_traced(traced, llm, reference, PROGRAM)
 
 
@@ -256,7 +259,7 @@ def test_a_request_traced_beside_a_tap_runs_eager_on_exactly_its_steps(
         ours, llm, reference) -> None:
     traced = ours["traced elsewhere"]
     assert traced["forwards"] == {"compiled": 4, "taps": 0, "in_graph": 0, "eager": 2,
-                                  "tap_breaks": 0}
+                                  "tap_breaks": 0, "tap_breaks_joined": 0}
     check_traced(traced, llm, reference, [ops.Save("layers.1.attention_output"), *PROGRAM])
 
 
@@ -434,7 +437,7 @@ def test_a_program_acting_on_its_prompt_only_runs_eager_on_its_prompts_step_only
     edited request's tokens and its neighbour's equal the eager engine's."""
     run = ours["prompt only elsewhere"]
     assert run["forwards"] == {"compiled": 5, "taps": 0, "in_graph": 0, "eager": 1,
-                               "tap_breaks": 0}
+                               "tap_breaks": 0, "tap_breaks_joined": 0}
     mine, plain = run["outputs"]
     eager = traced_on_the_eager_engine(llm, [
         ops.Save("layers.1.mlp_neurons", positions=(-1,)),

@@ -200,7 +200,7 @@ def made(monkeypatch: pytest.MonkeyPatch, samples: list[int] | None = None) -> A
         tokens = manager.forwards[-1][0]
         manager.free -= 100 * tokens
         return SimpleNamespace(pool=pool, replay_for=lambda waited_at: manager.replayed.append(
-            f"broken {tokens} waited at {list(waited_at)}"))
+            f"broken {tokens} waited at {list(waited_at)}") is None)  # joined
 
     monkeypatch.setattr(vllm_v2_tap_graphs, "capture_broken", capture_broken)
     break_at_taps(manager)
@@ -241,7 +241,7 @@ def test_a_replay_is_broken_at_the_taps_only_on_a_step_marked_so(
     v2_captures(manager)
     counted: list[str] = []
     manager.run_fullgraph(FULL_4)
-    with vllm_v2_tap_graphs.tap_breaks_for(manager, lambda: counted.append("replayed"),
+    with vllm_v2_tap_graphs.tap_breaks_for(manager, lambda joined: counted.append(joined),
                                            lambda: ["b"]) as mark:
         manager.run_fullgraph(FULL_8)  # not marked yet: V2's own
         mark(True)
@@ -253,7 +253,7 @@ def test_a_replay_is_broken_at_the_taps_only_on_a_step_marked_so(
     # The broken replay asks the step's runtime which taps it needs (`tap_replays`).
     assert manager.replayed == ["v2 4", "v2 8", "broken 4 waited at ['b']", "v2 4", "v2 4"]
     assert list(manager.interp_waited_at()) == []  # after the block: no step to ask
-    assert counted == ["replayed"]  # each broken replay counted, nothing else
+    assert counted == [True]  # each broken replay counted (joined, as it said), nothing else
     # V2's persistent hidden states, where the broken capture's forward copied its output.
     assert broken.data_ptr() == manager.hidden_states.data_ptr() and broken.shape == (4,)
     manager.release_graphs()  # V2 drops its graphs (their pointers went stale): ours too

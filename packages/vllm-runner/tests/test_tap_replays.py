@@ -129,8 +129,7 @@ def test_the_taps_nobody_waits_at_are_left_out_and_the_segments_between_joined_o
     replays = TapReplays(captured([("layers.0.layer_output",), ("layers.1.layer_output",),
                                    ("layers.2.layer_output",)], events, lambda: now, called),
                          joins := Joins())
-    replays.replay(now)
-    replays.replay(now)
+    assert replays.replay(now) and replays.replay(now)  # joined, both times
     assert events == ["g0", "g1", "t2", "g2", "g3"] * 2
     assert called == [2, 2]  # taps 1 and 3 not even called
     assert joins.made == [("g0", "g1"), ("g2", "g3")]  # made at the first replay, kept
@@ -187,8 +186,8 @@ def test_a_joined_launch_that_fails_runs_its_segments_one_by_one_and_joining_sto
                                    ("layers.2.layer_output",)], events, lambda: now),
                          fails_at_launch)
     with caplog.at_level(logging.ERROR, logger="vllm.interp"):
-        replays.replay(now)
-        replays.replay(now)
+        assert not replays.replay(now)  # nothing ran joined
+        assert not replays.replay(now)
     assert events == ["g0", "g1", "t2", "g2", "g3"] * 2
     assert joins.made == [("g0", "g1"), ("g2", "g3")]  # made once, then no more
     assert caplog.text.count("could not be launched") == 1
@@ -305,7 +304,7 @@ def test_on_a_gpu_joined_segments_compute_what_replaying_every_segment_computes(
     for waited_at in ([], ["b2"], ["a", "c"], ["d"], ["a", "b", "c", "d"], ["b2"]):
         seen.clear()
         value.zero_()
-        capture.replay_for(waited_at)
+        assert capture.replay_for(waited_at) is (waited_at != ["a", "b", "c", "d"])  # joined
         torch.cuda.synchronize()
         assert torch.equal(value, torch.full_like(value, 24.0)), waited_at
         expected = [name for name in "abcd" if {name, f"{name}2"} & set(waited_at)]

@@ -38,7 +38,8 @@ class FakeRuntime:
         self.module_tree, self.tap_python = module_tree, tap_python
         self.steps: list[tuple] = []
         self.ended = 0
-        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0, "tap_breaks": 0}
+        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0, "tap_breaks": 0,
+                         "tap_breaks_joined": 0}
         self.store = SimpleNamespace(any_failed=False)
 
     def note_edits(self) -> None:
@@ -47,8 +48,9 @@ class FakeRuntime:
     def count_forward(self, compiled: bool, programs: bool) -> None:
         self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
 
-    def count_tap_break(self) -> None:
+    def count_tap_break(self, joined: bool) -> None:
         self.forwards["tap_breaks"] += 1
+        self.forwards["tap_breaks_joined"] += int(joined)
 
     def locations_waited_at(self) -> list[str]:
         return ["layers.0.layer_output"]  # where the default program saves
@@ -258,7 +260,7 @@ def test_the_step_ends_only_after_a_real_batch_was_prepared() -> None:
     assert made.interp.ended == 1 and len(made.interp.steps) == 1  # type: ignore[attr-defined]
     # Counted once, as eager: this engine does not compile.
     assert made.interp.forwards == {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 1,  # type: ignore[attr-defined]
-                                    "tap_breaks": 0}
+                                    "tap_breaks": 0, "tap_breaks_joined": 0}
 
 
 def test_the_v2_runner_of_the_installed_vllm_has_every_method_the_adapter_wraps() -> None:
@@ -326,8 +328,9 @@ class BrokenFakeGraphs(FakeGraphs, TapBrokenGraphs):
         # A broken replay asks the runtime where the step waits (`tap_replays`).
         self.interp_broken = {FULL: SimpleNamespace(
             replay_for=lambda waited_at: self.replayed.append(
-                "broken" if list(waited_at) == ["layers.0.layer_output"] else "broken, elsewhere"))}
-        self.interp_break_at_taps, self.interp_replayed = False, lambda: None
+                "broken" if list(waited_at) == ["layers.0.layer_output"] else "broken, elsewhere")
+            is None)}  # "joined" (`tap_replays`)
+        self.interp_break_at_taps, self.interp_replayed = False, lambda joined: None
         self.interp_waited_at = lambda: ()
 
 
@@ -358,6 +361,8 @@ def test_a_compiled_step_with_programs_runs_the_graph_its_programs_allow(
     assert context.skip_compiled is skipped
     assert made.interp.forwards[counted] == 1  # type: ignore[attr-defined]
     assert made.interp.forwards["tap_breaks"] == int(bool(broken))  # type: ignore[attr-defined]
+    assert made.interp.forwards["tap_breaks_joined"] == int(  # type: ignore[attr-defined]
+        bool(broken))
     if broken is not None:  # which graph the full-graph step replayed
         assert manager.replayed == (["broken"] if broken else ["v2"] if mode == FULL.cg_mode
                                     else [])

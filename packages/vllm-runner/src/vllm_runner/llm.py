@@ -262,7 +262,9 @@ class LLM:
         act somewhere no tap serves; an eager engine runs every step there); and, of the
         `"taps"` forwards, those that replayed a full CUDA graph broken at the taps
         (`"tap_breaks"`: V2 on a GPU, see `vllm_runner.vllm_v2_tap_graphs`; the others ran the
-        piecewise graphs, or no graph where vLLM captured none)."""
+        piecewise graphs, or no graph where vLLM captured none), and of those, the ones whose
+        graph segments ran joined around the taps their step did not need
+        (`"tap_breaks_joined"`, see `vllm_runner.tap_replays`)."""
         (answer, *_) = self._rpc("interp_forwards")
         return answer
 

@@ -112,7 +112,8 @@ class Runtime:
         #: path serving programs through their taps, or the plain module tree.
         #: `in_graph`: the compiled path, with every program's work inside the graph (steering
         #: and saves from buffers, no tap's Python).
-        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0, "tap_breaks": 0}
+        self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0, "tap_breaks": 0,
+                         "tap_breaks_joined": 0}
         self._tokens = self._sampled = NO_VISITS
         self._visited: set[str] = set()  # token-row locations whose hook ran this forward
         self._guard_logits = False
@@ -308,10 +309,12 @@ class Runtime:
         self.forwards["eager" if not compiled else "compiled" if not programs else
                       "in_graph" if in_graph else "taps"] += 1
 
-    def count_tap_break(self) -> None:
+    def count_tap_break(self, joined: bool) -> None:
         """Count one forward that replayed a full CUDA graph broken at the taps (one of the
-        `taps` forwards: `vllm_v2_tap_graphs`)."""
+        `taps` forwards: `vllm_v2_tap_graphs`), and whether it ran graph segments joined around
+        the taps its step did not need (`tap_replays`)."""
         self.forwards["tap_breaks"] += 1
+        self.forwards["tap_breaks_joined"] += int(joined)
 
     def needs_tap_python(self, programs: Sequence[Program]) -> bool:
         """Whether a step running `programs` has work at a tap that runs in the tap's Python

@@ -94,13 +94,15 @@ class TapReplays:
         taps_at = self._taps_at
         return frozenset(index for location in waited_at for index in taps_at.get(location, ()))
 
-    def replay(self, waited_at: Iterable[str]) -> None:
+    def replay(self, waited_at: Iterable[str]) -> bool:
         """Replay the whole capture, running only the taps that serve a location in `waited_at`
-        (the runtime's `locations_waited_at`, read once the step is planned)."""
+        (the runtime's `locations_waited_at`, read once the step is planned); whether some of
+        its segments ran joined (`llm.forwards()["tap_breaks_joined"]`)."""
         needed = self.needed(waited_at)
         launches = self._launches.get(needed)
         if launches is None:
             launches = self._made(needed)
+        joined = False
         for launch, instead in launches:
             if instead is None:
                 launch()
@@ -109,9 +111,11 @@ class TapReplays:
             else:
                 try:
                     launch()
+                    joined = True
                 except Exception:  # nothing was launched: the segments run one by one instead
                     self._stop_joining("launched")
                     instead()
+        return joined
 
     def _made(self, needed: frozenset[int]) -> list[Launch]:
         """The launches for `needed`: joined graphs, kept, while joining works and the capture

@@ -81,12 +81,12 @@ class TapBrokenCapture(BreakableCUDAGraphCapture):
         self.add_eager(run)
         self.parts.append(TapPart(run, parse_key(key)[0]))
 
-    def replay_for(self, waited_at: Iterable[str]) -> None:
+    def replay_for(self, waited_at: Iterable[str]) -> bool:
         """Replay the capture stopping only at the taps that serve a location in `waited_at`
-        (the segments between joined into one launch)."""
+        (the segments between joined into one launch); whether some segments ran joined."""
         if self._replays is None:
             self._replays = TapReplays(self.parts, joined)
-        self._replays.replay(waited_at)
+        return self._replays.replay(waited_at)
 
     def __enter__(self) -> TapBrokenCapture:
         if self.current() is not None:
@@ -116,7 +116,7 @@ class TapBrokenGraphs(CudaGraphManager):
 
     interp_broken: dict[Any, Any]  # descriptor -> its capture broken at the taps
     interp_break_at_taps: bool  # this step replays the broken capture (`tap_breaks_for`)
-    interp_replayed: Callable[[], None]  # told of each broken replay (`tap_breaks_for`)
+    interp_replayed: Callable[[bool], None]  # told of each broken replay, joined or not
     interp_waited_at: Callable[[], Iterable[str]]  # where the step waits (`tap_breaks_for`)
 
     def capture(self, create_forward_fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -169,8 +169,7 @@ class TapBrokenGraphs(CudaGraphManager):
         if broken is None:
             return super().run_fullgraph(desc)
         get_offloader().sync_prev_onload()
-        broken.replay_for(self.interp_waited_at())
-        self.interp_replayed()
+        self.interp_replayed(broken.replay_for(self.interp_waited_at()))
         return None
 
     def release_graphs(self) -> None:
@@ -192,7 +191,7 @@ def break_at_taps(manager: Any) -> None:
     manager.interp_waited_at = _nowhere
 
 
-def _nobody() -> None:
+def _nobody(joined: bool) -> None:
     """Told of a broken replay outside `tap_breaks_for` (there is none: nothing marks one)."""
 
 
@@ -214,13 +213,13 @@ def has_broken(manager: Any, desc: Any) -> bool:
 
 
 @contextlib.contextmanager
-def tap_breaks_for(manager: Any, replayed: Callable[[], None],
+def tap_breaks_for(manager: Any, replayed: Callable[[bool], None],
                    waited_at: Callable[[], Iterable[str]]
                    ) -> Iterator[Callable[[bool], None]]:
     """Within the block, `mark(True)` makes `manager`'s full-graph replays broken at the taps
     that serve a location in `waited_at()` (the runtime's `locations_waited_at`, asked as the
-    graph is replayed, once the step is planned), and each such replay calls `replayed` (what
-    counts them: a step
+    graph is replayed, once the step is planned), and each such replay calls `replayed` with
+    whether some of its segments ran joined (what counts them: a step
     marked can still run no full graph, where data-parallel ranks agree on none); after it,
     its replays are V2's own graphs again."""
     if not isinstance(manager, TapBrokenGraphs):  # nothing to break: marks change nothing
