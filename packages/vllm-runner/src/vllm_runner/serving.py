@@ -556,16 +556,15 @@ def _run_members(members: OpGroup, selection: Selection,
     by_id = {want.request_id: want for want in members}
     owners = iter(zip([by_id[str(key)] for key in selection.keys], selection.counts,
                       strict=True))
-    edited = {index: (len(run), edit.numel() // max(len(run), 1))
-              for index, run, _, edit in edited_runs}
+    row_size = {index: edit.numel() // len(run) for index, run, _, edit in edited_runs}
     found: list[tuple[Want, int, int, str]] = []
     for index, (start, stop) in enumerate(selection.runs):
         rows = stop - start
         while rows > 0:
             want, count = next(owners)
             rows -= count
-            if index in edited:
-                found.append((want, count, count * edited[index][1], what))
+            if index in row_size:
+                found.append((want, count, count * row_size[index], what))
     return found
 
 
