@@ -755,9 +755,11 @@ def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: V
     device — and the counts, for the store to read later and fail whom they refuse
     (`SaveStore.check_later`, once the writes are made). `(None, None)` where the answers are
     on the host already and every edit passed: there is nothing to hold back."""
-    return _checked_rows([edited for _, edited, _ in edits],
-                         [(want, edited.shape[token_axis], edited.numel(), what)
-                          for want, edited, what in edits], value, token_axis, device)
+    counted = non_finite_counts([edited for _, edited, _ in edits], token_axis)
+    if counted is None:
+        return None, None
+    return _held_back(counted, [(want, edited.numel(), what) for want, edited, what in edits],
+                      value, device)
 
 
 def _checked_rows(edits: list[torch.Tensor], owners: list[tuple[Want, int, int, str]],
@@ -769,9 +771,18 @@ def _checked_rows(edits: list[torch.Tensor], owners: list[tuple[Want, int, int, 
     counted = non_finite_counts(edits, token_axis, [rows for _, rows, _, _ in owners])
     if counted is None:
         return None, None
+    return _held_back(counted, [(want, size, what) for want, _, size, what in owners], value,
+                      device)
+
+
+def _held_back(counted: tuple[torch.Tensor, torch.Tensor],
+               described: list[tuple[Want, int, str]], value: Value, device: torch.device
+               ) -> tuple[torch.Tensor, UnreadChecks]:
+    """From the counts of each request (`described`: its want, the size of its edit and what
+    made it) and each row's request: the rows that may be written (on `device`) and the
+    checks the store reads later."""
     bad, rows_owner = counted
-    described = [(want, size, what) for want, _, size, what in owners]
-    checks = UnreadChecks([want.program_id for want, _, _, _ in owners], bad,
+    checks = UnreadChecks([want.program_id for want, _, _ in described], bad,
                           partial(_non_finite_failure, described, value))
     return (bad == 0)[rows_owner].to(device, non_blocking=True), checks
 
