@@ -244,7 +244,7 @@ def test_our_capture_keeps_each_segments_template_and_which_locations_each_tap_s
     for graph in FakeGraph.made:
         graph.events = events
     joins = Joins()
-    monkeypatch.setattr(vllm_v2_tap_graphs, "joined", joins)
+    monkeypatch.setattr(vllm_v2_tap_graphs, "JoinedGraph", joins)
     joins_names = {id(graph): f"g{index}" for index, graph in enumerate(FakeGraph.made)}
     for graph in FakeGraph.made:
         graph.name = joins_names[id(graph)]

@@ -23,8 +23,8 @@ import torch
 
 
 class JoinedGraph:
-    """Graphs joined into one executable graph; calling it launches that on the current
-    stream."""
+    """`graphs` (PyTorch CUDA graphs captured with `keep_graph=True`, in replay order) joined
+    into one executable graph; calling it launches that on the current stream."""
 
     def __init__(self, graphs: Sequence[Any]) -> None:
         from cuda.bindings import runtime
@@ -32,7 +32,6 @@ class JoinedGraph:
         self._runtime = runtime
         children = [graph.raw_cuda_graph() for graph in graphs]
         children = [child for child in children if _node_count(runtime, child)]
-        self.children = len(children)
         self._exec = None
         if not children:  # nothing to launch
             return
@@ -55,12 +54,6 @@ class JoinedGraph:
             return
         _checked(self._runtime, "cudaGraphLaunch", self._runtime.cudaGraphLaunch(
             self._exec, torch.cuda.current_stream().cuda_stream))
-
-
-def joined(graphs: Sequence[Any]) -> JoinedGraph:
-    """`graphs` (PyTorch CUDA graphs captured with `keep_graph=True`, in replay order) as one
-    launch."""
-    return JoinedGraph(graphs)
 
 
 def _node_count(runtime: Any, graph: int) -> int:

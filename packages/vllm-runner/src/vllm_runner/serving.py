@@ -7,7 +7,7 @@ into the engine's tensors in place (`tokenspan.widen`), only on the request's ro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
@@ -530,9 +530,10 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
         written_rows = checks = None
         edits = [edited for _, _, _, edited in edited_runs]
         if edits and value.location != "logits" and not finite_on_the_host(edits):
-            written_rows, checks = _checked_rows(
-                edits, _run_members(members, selection, edited_runs, what), value,
-                token_axis, _device_of(raw))
+            written_rows, checks = _checked_rows(edits, _run_members(
+                members, selection, {index for index, _, _, _ in edited_runs},
+                edits[0].numel() // len(edited_runs[0][1]), what), value, token_axis,
+                _device_of(raw))
         writes = []
         first = 0  # each run's first row among the edited runs' rows
         for _, run, rows, edited in edited_runs:
@@ -547,24 +548,23 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
     return True
 
 
-def _run_members(members: OpGroup, selection: Selection,
-                 edited_runs: list[tuple[int, Span, Any, torch.Tensor]], what: str
-                 ) -> list[tuple[Want, int, int, str]]:
-    """The members whose rows the edited runs hold, in row order, each with its count of rows,
-    the size of its part of its run's edit and `what` made it (`_checked_rows`' owners). A
-    member's rows are adjacent: never split between runs."""
+def _run_members(members: OpGroup, selection: Selection, runs: Collection[int] | None,
+                 row_size: int, what: str) -> list[tuple[Want, int, int, str]]:
+    """The members whose rows the runs of `selection` numbered in `runs` hold (`None`: every
+    run), in row order, each with its count of rows, the size of its part of the edit (rows of
+    `row_size` values) and `what` made it (`_checked_rows`' owners). A member's rows are
+    adjacent: never split between runs."""
     by_id = {want.request_id: want for want in members}
     owners = iter(zip([by_id[str(key)] for key in selection.keys], selection.counts,
                       strict=True))
-    row_size = {index: edit.numel() // len(run) for index, run, _, edit in edited_runs}
     found: list[tuple[Want, int, int, str]] = []
     for index, (start, stop) in enumerate(selection.runs):
         rows = stop - start
         while rows > 0:
             want, count = next(owners)
             rows -= count
-            if index in row_size:
-                found.append((want, count, count * row_size[index], what))
+            if runs is None or index in runs:
+                found.append((want, count, count * row_size, what))
     return found
 
 
@@ -607,14 +607,11 @@ def _call_together(op: Call, value: Value, raw: Any, members: OpGroup, layout: S
         written_rows = checks = None
         if value.location == "logits":  # `-inf` allowed: answered on the host
             refuse_non_finite(edited, "the function", value.location)
-        else:  # each member's rows checked on their own: only those at fault fail
-            by_id = {want.request_id: want for want in members}
-            ordered = [by_id[str(key)] for key in selection.keys]
+        elif not finite_on_the_host([edited]):  # each member's rows counted on their own
             what = "the function" if edited is lent.value else "the function's result"
-            written_rows, checks = _checked_on_the_device([
-                (want, piece, what) for want, piece in zip(ordered, edited.split(
-                    [len(want.span) for want in ordered], token_axis), strict=True)], value,
-                token_axis, _device_of(raw))
+            written_rows, checks = _checked_rows([edited], _run_members(
+                members, selection, None, edited.numel() // edited.shape[token_axis], what),
+                value, token_axis, _device_of(raw))
         pieces = edited.split([len(run) for run in runs], token_axis)
         firsts = [0, *accumulate(len(run) for run in runs)]  # each run's first joined row
         writes = [(run, value.write(rows, piece, step),

@@ -47,7 +47,7 @@ class TapPart:
 
 
 Part = GraphPart | TapPart
-#: Joins graph segments into one launch (`graph_joins.joined`).
+#: Joins graph segments into one launch (`graph_joins.JoinedGraph`).
 Join = Callable[[Sequence[Any]], Callable[[], None]]
 #: One launch of a replay, and for joined segments what runs instead if the launch fails (the
 #: segments one by one).
@@ -123,12 +123,12 @@ class TapReplays:
         is a walk over the parts)."""
         plan = replay_plan(self.parts, needed)
         if self._joining_failed or len(self._launches) >= self._joined_sets:
-            return self._launches_of(plan, self._one_by_one)
+            return self._launches_of(plan, None)
         try:
             launches = self._launches_of(plan, self._join)
         except Exception:
             self._stop_joining("made")
-            return self._launches_of(plan, self._one_by_one)
+            return self._launches_of(plan, None)
         self._launches[needed] = launches
         return launches
 
@@ -146,7 +146,9 @@ class TapReplays:
         self._joining_failed = True
         self._launches.clear()
 
-    def _launches_of(self, plan: list[tuple[int, ...]], join: Join) -> list[Launch]:
+    def _launches_of(self, plan: list[tuple[int, ...]], join: Join | None) -> list[Launch]:
+        """`plan`'s launches, segments joined by `join` (each join with its segments one by one
+        to run instead, should it fail), or one by one where there is no `join`."""
         launches: list[Launch] = []
         for indices in plan:
             first = self.parts[indices[0]]
@@ -157,8 +159,9 @@ class TapReplays:
             else:
                 graphs = [self.parts[index].graph  # type: ignore[union-attr]
                           for index in indices]
-                one_by_one = join is TapReplays._one_by_one
-                launches.append((join(graphs), None if one_by_one else self._one_by_one(graphs)))
+                one_by_one = self._one_by_one(graphs)
+                launches.append((one_by_one, None) if join is None
+                                else (join(graphs), one_by_one))
         return launches
 
     @staticmethod

@@ -32,7 +32,7 @@ from vllm.model_executor.offloader.base import get_offloader
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
 from vllm_runner import tap_breaks
-from vllm_runner.graph_joins import joined
+from vllm_runner.graph_joins import JoinedGraph
 from vllm_runner.tap_replays import GraphPart, Part, TapPart, TapReplays
 from vllm_runner.taps import parse_key
 
@@ -85,7 +85,7 @@ class TapBrokenCapture(BreakableCUDAGraphCapture):
         """Replay the capture stopping only at the taps that serve a location in `waited_at`
         (the segments between joined into one launch); whether some segments ran joined."""
         if self._replays is None:
-            self._replays = TapReplays(self.parts, joined)
+            self._replays = TapReplays(self.parts, JoinedGraph)
         return self._replays.replay(waited_at)
 
     def __enter__(self) -> TapBrokenCapture:
