@@ -193,7 +193,8 @@ def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dt
     """`non_finite_each`: the count of NaN and infinite values of each edit; finite values
     whose sum overflows (float16's range ends at 65504) are finite. `non_finite_counts` and
     `non_finite_counts_on_device` count the same (along either token axis), and say which
-    edit each row is of."""
+    rows may be written (those of an edit whose count is 0), for one edit, edits of a row
+    each and edits of several."""
     large = torch.full((4, 64), torch.finfo(dtype).max / 2, dtype=dtype)
     nan = torch.ones(2, 64, dtype=dtype)
     nan[1, 3] = float("nan")
@@ -205,9 +206,16 @@ def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dt
     for counted in (non_finite_counts_on_device(edits, 0), non_finite_counts(edits, 0),
                     non_finite_counts_on_device([edit.T for edit in edits], 1)):
         assert counted is not None
-        counts, rows_edit = counted
+        counts, passed_rows = counted
         assert counts.tolist() == [0, 1, 0, 2]
-        assert rows_edit.tolist() == [0] * 4 + [1] * 2 + [3]  # each row's edit
+        assert passed_rows.tolist() == [True] * 4 + [False] * 3
+    for alone, expected in ((large, 0), (nan, 1), (infinite, 2)):  # one owner: one sum
+        counts, passed_rows = non_finite_counts_on_device([alone], 0)
+        assert counts.tolist() == [expected]
+        assert passed_rows.tolist() == [expected == 0] * alone.shape[0]
+    single_rows = [large[:1], nan[1:], infinite, nan[:1]]  # owners of a row each (decode)
+    counts, passed_rows = non_finite_counts_on_device([row.T for row in single_rows], 1)
+    assert counts.tolist() == [0, 1, 2, 0] and passed_rows.tolist() == [True, False, False, True]
     assert non_finite_counts([large], 0) is None  # on the host, all finite: nothing held back
     assert non_finite_counts([torch.ones(2, 3, dtype=torch.long)], 0) is None  # not floating
     # Owners other than the edits (an edit of a run of rows holds several requests' rows):
@@ -216,5 +224,6 @@ def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dt
     for counted in (non_finite_counts(runs, 0, [2, 3, 1]),
                     non_finite_counts_on_device([run.T for run in runs], 1, [2, 3, 1])):
         assert counted is not None
-        counts, rows_owner = counted
-        assert counts.tolist() == [0, 1, 2] and rows_owner.tolist() == [0, 0, 1, 1, 1, 2]
+        counts, passed_rows = counted
+        assert counts.tolist() == [0, 1, 2]
+        assert passed_rows.tolist() == [True, True, False, False, False, False]

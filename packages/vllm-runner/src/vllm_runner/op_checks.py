@@ -132,13 +132,13 @@ def non_finite_counts(edits: Sequence[torch.Tensor], token_axis: int,
                       rows_per_owner: Sequence[int] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """How many NaN or infinite values each owner's rows hold (int64, one per owner, where the
-    edits are), with each row's owner (the index of the owner each row along `token_axis`
-    belongs to, the edits joined in their order): what `non_finite_each` counts, `-inf` on the
-    logits aside. The owners hold consecutive rows, `rows_per_owner` of them each (by default
-    one owner per edit: an edit of a run of rows can count for each request in it). On an
-    accelerator it is counted there and not read (`non_finite_counts_on_device`); on the host,
-    where nothing waits, first by the cheaper one sum per edit, and `None` where every edit is
-    finite (nothing to hold back), as it is for edits that are not floating point."""
+    edits are), and whether each row may be written (bool, one per row along `token_axis`, the
+    edits joined in their order: its owner's count is 0): what `non_finite_each` counts, `-inf`
+    on the logits aside. The owners hold consecutive rows, `rows_per_owner` of them each (by
+    default one owner per edit: an edit of a run of rows can count for each request in it). On
+    an accelerator it is counted there and not read (`non_finite_counts_on_device`); on the
+    host, where nothing waits, first by the cheaper one sum per edit, and `None` where every
+    edit is finite (nothing to hold back), as it is for edits that are not floating point."""
     if not edits[0].is_floating_point():
         return None
     if edits[0].device.type == "cpu" and not any(non_finite_each(edits, "")):
@@ -150,16 +150,25 @@ def non_finite_counts_on_device(edits: Sequence[torch.Tensor], token_axis: int,
                                 rows_per_owner: Sequence[int] | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`non_finite_counts` in a few kernels whatever the number of edits or owners (floating
-    tensors of one layout but their token axis, `token_axis`): joined by rows, counted row by
-    row, the rows' counts added up per owner by the index of each row's owner, which comes back
-    with them."""
+    tensors of one layout but their token axis, `token_axis`): joined along it and counted row
+    by row. Each kernel costs the host a launch at a tap of every step, so the common shapes
+    take the fewest: one owner (a request's own edit) is counted in one sum, owners of a row
+    each (a decode step's requests) are their rows' counts; only owners of several rows each
+    add their rows' counts up by an index of each row's owner, copied to the device."""
     if rows_per_owner is None:
         rows_per_owner = [edit.shape[token_axis] for edit in edits]
-    owners = _rows_owner(rows_per_owner, edits[0].device)
-    rows = [_by_rows(edit, token_axis) for edit in edits]
-    per_row = (~torch.isfinite(torch.cat(rows) if len(rows) > 1 else rows[0])).sum(1)
+    joined = _by_rows(torch.cat(list(edits), token_axis) if len(edits) > 1 else edits[0],
+                      token_axis)
+    if len(rows_per_owner) == 1:
+        counts = (~torch.isfinite(joined)).sum().reshape(1)
+        return counts, (counts == 0).expand(joined.shape[0])
+    per_row = (~torch.isfinite(joined)).sum(1)
+    if all(owned == 1 for owned in rows_per_owner):
+        return per_row, per_row == 0
+    owners = _rows_owner(rows_per_owner, per_row.device)
     counts = torch.zeros(len(rows_per_owner), dtype=torch.long, device=per_row.device)
-    return counts.index_add_(0, owners, per_row), owners
+    counts.index_add_(0, owners, per_row)
+    return counts, (counts == 0)[owners]
 
 
 def _rows_owner(rows_per_owner: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -184,8 +184,9 @@ class Visit:
             refuse_non_finite(edited, what, self.location)
             self.write(edited)
             return
-        written_rows, checks = _checked_on_the_device([(self.want, edited, what)], self.value,
-                                                      self.token_axis, self.device)
+        written_rows, checks = _checked_rows(
+            [edited], [(self.want, edited.shape[self.token_axis], edited.numel(), what)],
+            self.value, self.token_axis, self.device)
         widen(self.raw, self.want.span, self.layout,
               self.value.write(self.rows, edited, self.want.step), written_rows=written_rows)
         if checks is not None:
@@ -708,10 +709,12 @@ def _adjacent(wants: list[Want]) -> list[list[Want]]:
 def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, raw: Any,
                    layout: StepLayout, token_axis: int, store: SaveStore) -> None:
     """Write the edits that are free of NaN and infinity, one write per run of adjacent rows,
-    and fail the requests of the others alone. The check is answered on the device and each
-    request's rows take its edit only where it passed (`widen`'s `written_rows`), so the host
-    never waits for the device here; the store reads the answers later (`unread_checks`). On
-    the logits, where `-inf` is allowed, the host reads the answers at once."""
+    and fail the requests of the others alone. The runs' edits are joined first and checked
+    as they are written (`_checked_rows`: each request counted on its own rows, answered on
+    the device, each row written only where its request passed), so the host never waits for
+    the device here and joins each run once; the store reads the answers later
+    (`unread_checks`). On the logits, where `-inf` is allowed, the host reads the answers at
+    once."""
     if not edits:
         return
     if value.location == "logits":
@@ -720,21 +723,27 @@ def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, ra
             if bad:
                 _fail(want, value, non_finite_error(bad, edited.numel(), what), store)
         edits = [edit for edit, bad in zip(edits, counts, strict=True) if not bad]
-        written_rows = checks = None
-    else:
-        written_rows, checks = _checked_on_the_device(edits, value, token_axis,
-                                                      _device_of(raw))
     wants = [want for want, _, _ in edits]
-    writes = []
     try:
-        start = row = 0  # the run's first edit, and its first row among the edits' rows
+        runs: list[tuple[Span, torch.Tensor, Step]] = []  # each run's rows, its edit, its step
+        start = 0
         for run in _adjacent(wants):
             pieces = [edited for _, edited, _ in edits[start:start + len(run)]]
-            span = Span(run[0].span.start, run[-1].span.stop)
+            start += len(run)
+            runs.append((Span(run[0].span.start, run[-1].span.stop), pieces[0] if len(
+                pieces) == 1 else torch.cat(pieces, token_axis), run[0].step))
+        written_rows = checks = None
+        if value.location != "logits":
+            written_rows, checks = _checked_rows(
+                [edited for _, edited, _ in runs],
+                [(want, edited.shape[token_axis], edited.numel(), what)
+                 for want, edited, what in edits], value, token_axis, _device_of(raw))
+        writes = []
+        row = 0  # the run's first row among the edits' rows
+        for span, edited, step in runs:
             rows = None if written_rows is None else written_rows[row:row + len(span)]
-            start, row = start + len(run), row + len(span)
-            writes.append((span, value.write(narrow(raw, span, layout), pieces[0] if len(
-                pieces) == 1 else torch.cat(pieces, token_axis), run[0].step), rows))
+            row += len(span)
+            writes.append((span, value.write(narrow(raw, span, layout), edited, step), rows))
     except Exception:  # nothing written yet: each request on its own, with its own error
         for want, edited, what in edits:
             _write_one(want, value, raw, edited, what, layout, store)
@@ -744,27 +753,17 @@ def _write_checked(edits: list[tuple[Want, torch.Tensor, str]], value: Value, ra
     _write_runs(writes, raw, layout, wants, f"call at {value.location}", store)
 
 
-def _checked_on_the_device(edits: list[tuple[Want, torch.Tensor, str]], value: Value,
-                           token_axis: int, device: torch.device
-                           ) -> tuple[torch.Tensor | None, UnreadChecks | None]:
-    """Whether each row of the edits (each a request's, in their order; `device`: the engine
-    rows') may be written — its request's edit is free of NaN and infinity, counted on the
-    device — and the counts, for the store to read later and fail whom they refuse
-    (`SaveStore.check_later`, once the writes are made). `(None, None)` where the answers are
-    on the host already and every edit passed: there is nothing to hold back."""
-    counted = non_finite_counts([edited for _, edited, _ in edits], token_axis)
-    if counted is None:
-        return None, None
-    return _held_back(counted, [(want, edited.numel(), what) for want, edited, what in edits],
-                      value, device)
-
-
 def _checked_rows(edits: list[torch.Tensor], owners: list[tuple[Want, int, int, str]],
                   value: Value, token_axis: int, device: torch.device
                   ) -> tuple[torch.Tensor | None, UnreadChecks | None]:
-    """`_checked_on_the_device` for edits that may each hold several requests' rows (an edit
-    of a run of adjacent rows): `owners` are the requests whose rows the edits hold, in order,
-    each with its count of rows, the size of its part and what made it."""
+    """Whether each row of `edits` (joined along `token_axis`; `device`: the engine rows')
+    may be written — its request's part is free of NaN and infinity, counted on the device —
+    and the counts, for the store to read later and fail whom they refuse
+    (`SaveStore.check_later`, once the writes are made). An edit may hold several requests'
+    rows (an edit of a run of adjacent rows): `owners` are the requests whose rows the edits
+    hold, in order, each with its count of rows, the size of its part and what made it.
+    `(None, None)` where the answers are on the host already and every edit passed: there is
+    nothing to hold back."""
     counted = non_finite_counts(edits, token_axis, [rows for _, rows, _, _ in owners])
     if counted is None:
         return None, None
@@ -776,12 +775,12 @@ def _held_back(counted: tuple[torch.Tensor, torch.Tensor],
                described: list[tuple[Want, int, str]], value: Value, device: torch.device
                ) -> tuple[torch.Tensor, UnreadChecks]:
     """From the counts of each request (`described`: its want, the size of its edit and what
-    made it) and each row's request: the rows that may be written (on `device`) and the
-    checks the store reads later."""
-    bad, rows_owner = counted
+    made it) and whether each row may be written (`non_finite_counts`): those rows (on
+    `device`) and the checks the store reads later."""
+    bad, passed_rows = counted
     checks = UnreadChecks([want.program_id for want, _, _ in described], bad,
                           partial(_non_finite_failure, described, value))
-    return (bad == 0)[rows_owner].to(device, non_blocking=True), checks
+    return passed_rows.to(device, non_blocking=True), checks
 
 
 def _non_finite_failure(described: list[tuple[Want, int, str]], value: Value, index: int,
