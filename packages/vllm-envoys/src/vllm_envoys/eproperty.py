@@ -4,8 +4,7 @@ write it, and when it is unavailable and why."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import torch
 from torch import nn
@@ -17,9 +16,9 @@ from vllm_envoys.node import Node
 from vllm_envoys.sites import Site
 
 
-@dataclass(frozen=True)
-class Step:
-    """What a value needs to know about one request's rows in one engine step.
+class Step(NamedTuple):
+    """What a value needs to know about one request's rows in one engine step (a tuple: an
+    engine makes one per request at every step).
 
     `first_position` is the absolute position of the request's first row this step, `tokens`
     its row count, `prompt_length` the length of its prompt. `earlier_keys` says that the

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -36,9 +36,9 @@ from vllm_runner.store import SaveStore
 from vllm_runner.unread_checks import UnreadChecks
 
 
-@dataclass(frozen=True)
-class Want:
-    """One request waiting for one op at one kind of visit this step."""
+class Want(NamedTuple):
+    """One request waiting for one op at one kind of visit this step (a tuple: the step plan
+    makes one per request per op at every step with programs)."""
 
     request_id: str
     program_id: str

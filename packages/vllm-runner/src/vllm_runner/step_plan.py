@@ -70,6 +70,8 @@ def acting(layout: StepLayout, requests: list[ScheduledRequest]) -> list[Schedul
     Python and no eager forward, so they run vLLM's full CUDA graphs. The adapters decide the
     step's graph with the same rule (`Runtime.acts_at`). `requests` itself where none is left
     out: a repeated schedule's very list (`graph_steps` reuses its plan for it)."""
+    if not any(request.program.prompt_only for request in requests):
+        return requests  # every program acts past its prompt: no request's rows to look up
     kept = [request for request in requests if request.program.acts_at(
         request.prompt_length, layout[request.request_id].first_position)]
     return requests if len(kept) == len(requests) else kept
@@ -88,29 +90,31 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
         return NOTHING_PLANNED
     tokens: dict[str, list[OpGroup]] = defaultdict(list)
     rows: dict[str, list[OpGroup]] = defaultdict(list)
-    # (digest, op index) -> the op's token-row group (None: it acts at no token row) and its
-    # sampled-row locations; its sampled-row group is made at its first sampled request.
-    groups: dict[tuple[str, int], tuple[OpGroup | None, list[str]]] = {}
+    # digest -> each op's token-row group (None: it acts at no token row) and sampled-row
+    # locations, by the op's index; its sampled-row group is made at its first sampled request.
+    groups: dict[str, list[tuple[OpGroup | None, list[str]]]] = {}
     sampled_groups: dict[tuple[str, int], OpGroup] = {}
     sampled: StepLayout | None = None
     for request in requests:
         program, request_id = request.program, request.request_id
+        found = groups.get(program.digest)
+        if found is None:  # the first request of this program: its ops' groups
+            found = groups[program.digest] = [_token_group(op, locations_of, tokens)
+                                              for op in program.ops]
         span = layout[request_id]
         # Every pattern gets the request's earlier keys (`key_history`), on any step.
         step = Step(span.first_position, len(span), request.prompt_length, earlier_keys=True)
         last_position = span.first_position + len(span) - 1
         is_sampled = last_position >= request.prompt_length - 1
-        for index, op in enumerate(program.ops):
-            key = (program.digest, index)
-            found = groups.get(key)
-            if found is None:
-                found = groups[key] = _token_group(op, locations_of, tokens)
-            token_group, sampled_locations = found
+        # The request's own ops (a plain `Call` holds the request's own function).
+        for index, (op, (token_group, sampled_locations)) in enumerate(
+                zip(program.ops, found, strict=True)):
             if token_group is not None:
                 token_group.append(Want(request_id, program.program_id, span, step, op))
             if sampled_locations and is_sampled:
                 if sampled is None:
                     sampled = sampled_rows(layout)
+                key = (program.digest, index)
                 sampled_group = sampled_groups.get(key)
                 if sampled_group is None:
                     sampled_group = sampled_groups[key] = OpGroup()
