@@ -207,7 +207,7 @@ def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dt
                     non_finite_counts_on_device([edit.T for edit in edits], 1)):
         assert counted is not None
         counts, passed_rows = counted
-        assert counts.tolist() == [0, 1, 0, 2]
+        assert counts.tolist() == [0, 1, 0, 2] and passed_rows.dtype == torch.bool
         assert passed_rows.tolist() == [True] * 4 + [False] * 3
     for alone, expected in ((large, 0), (nan, 1), (infinite, 2)):  # one owner: one sum
         counts, passed_rows = non_finite_counts_on_device([alone], 0)

@@ -51,6 +51,19 @@ def test_a_plan_groups_requests_running_one_program_per_op() -> None:
     assert plan_step(layout, [], locations_of) is NOTHING_PLANNED
 
 
+def test_a_digest_that_does_not_match_its_ops_breaks_no_one_elses_plan() -> None:
+    """The digest travels with a request's ops: one whose ops differ in number from another's
+    under the same digest gets groups of its own, and every request is planned."""
+    layout = layout_of([2, 1, 1])
+    one = [ops.Save("layers.0.layer_output")]
+    two = [ops.Save("layers.0.layer_output"), ops.Scale("layers.0.layer_output", 2.0)]
+    requests = [*scheduled(layout, one)[:2], *scheduled(layout, two)[2:]]
+    groups = plan_step(layout, requests, locations_of).tokens.wants["layers.0.layer_output"]
+    assert [[want.request_id for want in group] for group in groups] == [
+        ["r0", "r1"], ["r2"], ["r2"]]
+    assert [type(group[0].op) for group in groups] == [ops.Save, ops.Save, ops.Scale]
+
+
 def test_a_chunk_that_ends_before_its_prompt_waits_at_no_sampled_value() -> None:
     layout = layout_of([4, 1], firsts=[0, 9])  # r0: a first chunk of a 10-token prompt
     plan = plan_step(layout, scheduled(layout, [ops.Save("logits")], prompt_length=10),

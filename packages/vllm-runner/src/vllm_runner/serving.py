@@ -184,11 +184,11 @@ class Visit:
             refuse_non_finite(edited, what, self.location)
             self.write(edited)
             return
+        new_rows = self.value.write(self.rows, edited, self.want.step)  # a wrong shape: said
         written_rows, checks = _checked_rows(
             [edited], [(self.want, edited.shape[self.token_axis], edited.numel(), what)],
             self.value, self.token_axis, self.device)
-        widen(self.raw, self.want.span, self.layout,
-              self.value.write(self.rows, edited, self.want.step), written_rows=written_rows)
+        widen(self.raw, self.want.span, self.layout, new_rows, written_rows=written_rows)
         if checks is not None:
             self.services.store.check_later(checks)
 

@@ -90,17 +90,20 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
         return NOTHING_PLANNED
     tokens: dict[str, list[OpGroup]] = defaultdict(list)
     rows: dict[str, list[OpGroup]] = defaultdict(list)
-    # digest -> each op's token-row group (None: it acts at no token row) and sampled-row
-    # locations, by the op's index; its sampled-row group is made at its first sampled request.
-    groups: dict[str, list[tuple[OpGroup | None, list[str]]]] = {}
+    # (digest, op count) -> each op's token-row group (None: it acts at no token row) and
+    # sampled-row locations, by the op's index; its sampled-row group is made at its first
+    # sampled request. The count keeps a request whose digest does not match its ops (the
+    # digest travels with them) from breaking the step's plan for the others.
+    groups: dict[tuple[str, int], list[tuple[OpGroup | None, list[str]]]] = {}
     sampled_groups: dict[tuple[str, int], OpGroup] = {}
     sampled: StepLayout | None = None
     for request in requests:
         program, request_id = request.program, request.request_id
-        found = groups.get(program.digest)
+        program_key = (program.digest, len(program.ops))
+        found = groups.get(program_key)
         if found is None:  # the first request of this program: its ops' groups
-            found = groups[program.digest] = [_token_group(op, locations_of, tokens)
-                                              for op in program.ops]
+            found = groups[program_key] = [_token_group(op, locations_of, tokens)
+                                           for op in program.ops]
         span = layout[request_id]
         # Every pattern gets the request's earlier keys (`key_history`), on any step.
         step = Step(span.first_position, len(span), request.prompt_length, earlier_keys=True)
