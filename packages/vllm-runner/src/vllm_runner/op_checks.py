@@ -139,9 +139,7 @@ def non_finite_counts(edits: Sequence[torch.Tensor], token_axis: int,
     an accelerator it is counted there and not read (`non_finite_counts_on_device`); on the
     host, where nothing waits, first by the cheaper one sum per edit, and `None` where every
     edit is finite (nothing to hold back), as it is for edits that are not floating point."""
-    if not edits[0].is_floating_point():
-        return None
-    if edits[0].device.type == "cpu" and not any(non_finite_each(edits, "")):
+    if finite_on_the_host(edits):
         return None
     return non_finite_counts_on_device(edits, token_axis, rows_per_owner)
 

@@ -767,17 +767,8 @@ def _checked_rows(edits: list[torch.Tensor], owners: list[tuple[Want, int, int, 
     counted = non_finite_counts(edits, token_axis, [rows for _, rows, _, _ in owners])
     if counted is None:
         return None, None
-    return _held_back(counted, [(want, size, what) for want, _, size, what in owners], value,
-                      device)
-
-
-def _held_back(counted: tuple[torch.Tensor, torch.Tensor],
-               described: list[tuple[Want, int, str]], value: Value, device: torch.device
-               ) -> tuple[torch.Tensor, UnreadChecks]:
-    """From the counts of each request (`described`: its want, the size of its edit and what
-    made it) and whether each row may be written (`non_finite_counts`): those rows (on
-    `device`) and the checks the store reads later."""
     bad, passed_rows = counted
+    described = [(want, size, what) for want, _, size, what in owners]
     checks = UnreadChecks([want.program_id for want, _, _ in described], bad,
                           partial(_non_finite_failure, described, value))
     return passed_rows.to(device, non_blocking=True), checks
