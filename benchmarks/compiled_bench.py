@@ -34,7 +34,8 @@ programs; (twin) vLLM's default engine once more, in a process of its own: an A/
 whose ratio would be 1.0 with a method free of bias (a ratio of ours inside the twin's spread
 is no cost we can show); (bare) our `LLM` with no taps declared and no programs: against (a),
 what declaring taps costs steps without programs (the taps split the piecewise graphs that
-prefill and mixed steps run).
+prefill and mixed steps run); (taps) our `LLM` with every layer tapped but no graph tap, no
+programs: between (bare) and (a), what the graph tap's in-graph work costs every step.
 
 Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where
 the profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its
@@ -90,10 +91,12 @@ NAMES = {
     "eager": "vLLM's eager engine (enforce_eager=True), no programs",
     "twin": "vLLM's default engine again, in a process of its own (A/A control)",
     "bare": "our LLM with no taps declared, no programs",
+    "taps": "our LLM with every layer tapped but no graph tap, no programs",
 }
 # Arms with an engine of their own, by the engine's name: the rest run on `ours` (every layer
 # tapped).
-OWN_ENGINE = {"cg": "ours every layer", "eager": "eager", "twin": "twin", "bare": "bare"}
+OWN_ENGINE = {"cg": "ours every layer", "eager": "eager", "twin": "twin", "bare": "bare",
+              "taps": "ours taps only"}
 # The targets on a GPU (ratio to the default engine); on the CPU only (a) has one.
 GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "cg": 0.5, "call": 0.6}
 CPU_TARGETS = {"a": 0.98}
@@ -114,7 +117,7 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
 
     middle = layers // 2
     one = [ops.Save(f"layers.{middle}.layer_output")]
-    if arm in ("a", "bare"):
+    if arm in ("a", "bare", "taps"):
         return None
     if arm == "e":
         return [one if i % 10 == 0 else [] for i in range(requests)]
@@ -350,6 +353,8 @@ def main() -> None:
         engines["twin"] = start("default twin")
     if "bare" in arms:  # what declaring taps costs steps without programs (prefill pieces)
         engines["bare"] = start("ours bare")
+    if "taps" in arms:  # against (a) and (bare): what the graph tap's buffers cost every step
+        engines["ours taps only"] = start("ours taps only", taps=(taps[0], []))
     generator = torch.Generator().manual_seed(0)
 
     def fresh_prompts() -> list[list[int]]:

@@ -679,11 +679,10 @@ def _call_each(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepL
 def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each piece in memory of its own (a function handed one cannot reach another
     request's rows through its storage), made by one multi-tensor kernel where a `clone` each
-    would launch one a request."""
-    copies = [torch.empty_like(piece) for piece in pieces]
-    if copies:
-        torch._foreach_copy_(copies, pieces)
-    return copies
+    would launch one a request. `_foreach_clone` allocates them in C++: 92 µs of host time for
+    64 rows on an H100 host, where an `empty_like` each and `_foreach_copy_` took 147 and a
+    `clone` each 428 (`docs/gpu/k-033/private-copies-h100.txt`)."""
+    return list(torch._foreach_clone(pieces)) if pieces else []
 
 
 def _read_runs(value: Value, raw: Any, wants: list[Want], layout: StepLayout
