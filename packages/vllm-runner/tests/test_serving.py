@@ -394,6 +394,26 @@ def test_a_rowwise_call_is_one_object_for_every_request_running_its_program() ->
         assert first.ops[0].rowwise is rowwise
 
 
+def test_the_cache_says_once_a_program_acting_on_its_prompt_only_was_decoded() -> None:
+    """Until such a program is decoded, every program acts at every step and the adapters ask
+    none of them per request (`Runtime.every_program_acts`); after, they ask (it never goes
+    back: a wrong `True` would skip a step some program acts at)."""
+    from vllm_runner.program import ProgramCache, encode, encode_ops, program_digest
+
+    cache = ProgramCache()
+    for number, op in enumerate([ops.Save("layers.0.layer_output"), ops.Add(
+            "layers.0.layer_output", torch.ones(4), steps="decode")]):
+        data = encode_ops([op])
+        cache.get(encode(f"every-{number}", data, program_digest(data)))
+    assert not cache.seen_prompt_only
+    data = encode_ops([ops.Save("layers.0.layer_output", positions=(-1,))])
+    assert cache.get(encode("last", data, program_digest(data))).prompt_only
+    assert cache.seen_prompt_only
+    data = encode_ops([ops.Save("layers.0.layer_output")])
+    cache.get(encode("every-again", data, program_digest(data)))
+    assert cache.seen_prompt_only
+
+
 def _double(value: torch.Tensor, context: ops.CallContext) -> torch.Tensor:
     return value * 2
 

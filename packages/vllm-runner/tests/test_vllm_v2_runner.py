@@ -59,6 +59,8 @@ class FakeRuntime:
         return Program(data["program_id"], "digest", tuple(
             op_from_data(op) for op in data["ops"]) or (ops.Save("layers.0.layer_output"),))
 
+    every_program_acts = False  # as after a prompt-only program: each request is asked
+
     def acts_at(self, data, prompt_length, first_position) -> bool:
         return first_position < prompt_length or not self.program(data, 0).prompt_only
 
@@ -140,6 +142,18 @@ def test_the_graph_is_chosen_for_the_programs_that_act_at_the_step() -> None:
     # "prompt", "plain" and "unknown"; "new" and "past" are past their prompts
     assert [program["program_id"] for program in found] == ["pl", "pe", "pl"]
     assert vllm_v2_runner.computed_tokens(SimpleNamespace()) == {}
+
+
+def test_where_every_program_acts_at_every_step_no_request_is_asked() -> None:
+    """Before any prompt-only program was decoded, the step's programs are every scheduled
+    request's, in the scheduler's order, without its computed tokens (none are given here)."""
+    runtime = FakeRuntime()
+    runtime.every_program_acts = True
+    runtime.acts_at = None  # never asked
+    programs = {"a": (data("pa"), 4), "b": (data("pb"), 9)}
+    output = SimpleNamespace(num_scheduled_tokens={"b": 1, "none": 2, "a": 1})
+    found = vllm_v2_runner.acting_programs(runtime, programs, output)  # type: ignore[arg-type]
+    assert [program["program_id"] for program in found] == ["pb", "pa"]
 
 
 def test_the_scheduler_output_of_the_installed_vllm_names_the_computed_tokens() -> None:

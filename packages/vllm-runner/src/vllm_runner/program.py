@@ -122,6 +122,10 @@ class ProgramCache:
     def __init__(self) -> None:
         self._programs: dict[str, Program] = {}
         self._shared: dict[str, tuple[Op, ...]] = {}
+        #: Whether a program that acts on the prompt only was ever decoded here: until one is,
+        #: every program acts at every step, and the adapters ask no request's program whether
+        #: it acts (`Runtime.acts_at`, per request per step).
+        self.seen_prompt_only = False
 
     def get(self, data: ProgramData) -> Program:
         """The decoded program of `data` (a `ValueError` if it does not decode)."""
@@ -130,6 +134,7 @@ class ProgramCache:
         if found is None:
             found = self._programs[program_id] = Program(program_id, data["digest"],
                                                          self._ops(data))
+            self.seen_prompt_only = self.seen_prompt_only or found.prompt_only
         return found
 
     def _ops(self, data: ProgramData) -> tuple[Op, ...]:

@@ -339,12 +339,19 @@ class Runtime:
         except Exception:
             return True
 
+    @property
+    def every_program_acts(self) -> bool:
+        """Whether every program acts at every step of its request: no program that acts on
+        the prompt only was decoded yet, so the adapters need not ask each request's program
+        (`acts_at`) at each step."""
+        return not self.programs.seen_prompt_only
+
     def acts_at(self, data: ProgramData, prompt_length: int, first_position: int) -> bool:
         """Whether a request running `data` may act at a step whose rows start at
         `first_position`: `Program.acts_at`, the rule of `step_plan.acting`, for the adapters'
         choice of the step's graph before its rows are known (a program that does not decode:
         yes)."""
-        if first_position < prompt_length:
+        if first_position < prompt_length or self.every_program_acts:
             return True  # no lookup: most steps of most requests end here or hold no program
         try:
             return self.programs.get(data).acts_at(prompt_length, first_position)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tokenspan import StepLayout
+from tokenspan import Span, StepLayout
 from vllm_envoys import Step
 
 from vllm_runner.ops import Op
@@ -91,41 +91,51 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
     tokens: dict[str, list[OpGroup]] = defaultdict(list)
     rows: dict[str, list[OpGroup]] = defaultdict(list)
     # (digest, op count) -> each op's token-row group (None: it acts at no token row) and
-    # sampled-row locations, by the op's index; its sampled-row group is made at its first
-    # sampled request. The count keeps a request whose digest does not match its ops (the
-    # digest travels with them) from breaking the step's plan for the others.
-    groups: dict[tuple[str, int], list[tuple[OpGroup | None, list[str]]]] = {}
+    # sampled-row locations, by the op's index, and whether any op reads sampled rows; its
+    # sampled-row group is made at its first sampled request. The count keeps a request whose
+    # digest does not match its ops (the digest travels with them) from breaking the step's
+    # plan for the others.
+    groups: dict[tuple[str, int], tuple[list[tuple[OpGroup | None, list[str]]], bool]] = {}
     sampled_groups: dict[tuple[str, int], OpGroup] = {}
     sampled: StepLayout | None = None
-    for request in requests:
-        program, request_id = request.program, request.request_id
-        program_key = (program.digest, len(program.ops))
+    # The layout's columns, read directly: this loop runs for every request at every step with
+    # programs (`layout[request_id]` builds the same span through a lookup of its own).
+    index, starts, counts, firsts = (layout.index, layout.starts, layout.counts,
+                                     layout.first_positions)
+    for request_id, program, prompt_length in requests:
+        ops = program.ops
+        program_key = (program.digest, len(ops))
         found = groups.get(program_key)
         if found is None:  # the first request of this program: its ops' groups
-            found = groups[program_key] = [_token_group(op, locations_of, tokens)
-                                           for op in program.ops]
-        span = layout[request_id]
+            made = [_token_group(op, locations_of, tokens) for op in ops]
+            found = groups[program_key] = (made, any(locations for _, locations in made))
+        made, reads_sampled = found
+        row = index(request_id)
+        first, count = firsts[row], counts[row]
+        span = Span(starts[row], starts[row] + count, first)
         # Every pattern gets the request's earlier keys (`key_history`), on any step.
-        step = Step(span.first_position, len(span), request.prompt_length, earlier_keys=True)
-        last_position = span.first_position + len(span) - 1
-        is_sampled = last_position >= request.prompt_length - 1
+        step = Step(first, count, prompt_length, True)
+        program_id = program.program_id
         # The request's own ops (a plain `Call` holds the request's own function).
-        for index, (op, (token_group, sampled_locations)) in enumerate(
-                zip(program.ops, found, strict=True)):
+        for op, (token_group, _) in zip(ops, made, strict=True):
             if token_group is not None:
-                token_group.append(Want(request_id, program.program_id, span, step, op))
-            if sampled_locations and is_sampled:
-                if sampled is None:
-                    sampled = sampled_rows(layout)
-                key = (program.digest, index)
-                sampled_group = sampled_groups.get(key)
-                if sampled_group is None:
-                    sampled_group = sampled_groups[key] = OpGroup()
-                    for location in sampled_locations:
-                        rows[location].append(sampled_group)
-                sampled_group.append(Want(
-                    request_id, program.program_id, sampled[request_id],
-                    Step(last_position, 1, request.prompt_length), op))
+                token_group.append(Want(request_id, program_id, span, step, op))
+        last_position = first + count - 1
+        if not reads_sampled or last_position < prompt_length - 1:
+            continue  # no op reads the sampled rows, or this chunk is not sampled
+        if sampled is None:
+            sampled = sampled_rows(layout)
+        for op_index, (op, (_, sampled_locations)) in enumerate(zip(ops, made, strict=True)):
+            if not sampled_locations:
+                continue
+            key = (program.digest, op_index)
+            sampled_group = sampled_groups.get(key)
+            if sampled_group is None:
+                sampled_group = sampled_groups[key] = OpGroup()
+                for location in sampled_locations:
+                    rows[location].append(sampled_group)
+            sampled_group.append(Want(request_id, program_id, sampled[request_id],
+                                      Step(last_position, 1, prompt_length), op))
     # No request sampled where an op reads sampled rows: nothing waits there.
     return StepPlan(Visits(layout, dict(tokens)),
                     Visits(sampled if sampled is not None else NO_ROWS, dict(rows)))

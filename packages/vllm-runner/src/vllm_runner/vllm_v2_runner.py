@@ -125,6 +125,9 @@ def acting_programs(runtime: Runtime, programs: Mapping[str, Kept], scheduler_ou
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     if not programs or not scheduled:
         return []
+    if runtime.every_program_acts:  # no request's rows to look up
+        return [kept[0] for request_id in scheduled
+                if (kept := programs.get(request_id)) is not None]
     firsts = computed_tokens(scheduler_output)
     acts_at = runtime.acts_at
     return [kept[0] for request_id in scheduled
