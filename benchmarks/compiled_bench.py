@@ -35,7 +35,9 @@ whose ratio would be 1.0 with a method free of bias (a ratio of ours inside the 
 is no cost we can show); (bare) our `LLM` with no taps declared and no programs: against (a),
 what declaring taps costs steps without programs (the taps split the piecewise graphs that
 prefill and mixed steps run); (taps) our `LLM` with every layer tapped but no graph tap, no
-programs: between (bare) and (a), what the graph tap's in-graph work costs every step.
+programs: between (bare) and (a), what the graph tap's in-graph work costs every step;
+(nobreaks) our `LLM` as for (a) with `VLLM_INTERP_BREAK_AT_TAPS=0` (no full graphs captured
+again, broken at the taps), no programs: what those captures cost every step.
 
 Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where
 the profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its
@@ -92,11 +94,12 @@ NAMES = {
     "twin": "vLLM's default engine again, in a process of its own (A/A control)",
     "bare": "our LLM with no taps declared, no programs",
     "taps": "our LLM with every layer tapped but no graph tap, no programs",
+    "nobreaks": "our LLM as for (a), without full graphs broken at the taps, no programs",
 }
 # Arms with an engine of their own, by the engine's name: the rest run on `ours` (every layer
 # tapped).
 OWN_ENGINE = {"cg": "ours every layer", "eager": "eager", "twin": "twin", "bare": "bare",
-              "taps": "ours taps only"}
+              "taps": "ours taps only", "nobreaks": "ours no breaks"}
 # The targets on a GPU (ratio to the default engine); on the CPU only (a) has one.
 GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "cg": 0.5, "call": 0.6}
 CPU_TARGETS = {"a": 0.98}
@@ -117,7 +120,7 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
 
     middle = layers // 2
     one = [ops.Save(f"layers.{middle}.layer_output")]
-    if arm in ("a", "bare", "taps"):
+    if arm in ("a", "bare", "taps", "nobreaks"):
         return None
     if arm == "e":
         return [one if i % 10 == 0 else [] for i in range(requests)]
@@ -155,6 +158,8 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_apart else "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     collecting = [0.0]
+    if kind == "ours no breaks":
+        os.environ["VLLM_INTERP_BREAK_AT_TAPS"] = "0"
     if kind.startswith("ours"):
         from vllm_runner import LLM
 
@@ -355,6 +360,8 @@ def main() -> None:
         engines["bare"] = start("ours bare")
     if "taps" in arms:  # against (a) and (bare): what the graph tap's buffers cost every step
         engines["ours taps only"] = start("ours taps only", taps=(taps[0], []))
+    if "nobreaks" in arms:  # against (a): what the broken captures cost every step
+        engines["ours no breaks"] = start("ours no breaks", taps=taps)
     generator = torch.Generator().manual_seed(0)
 
     def fresh_prompts() -> list[list[int]]:

@@ -411,3 +411,17 @@ def test_v2s_graph_manager_captures_broken_full_graphs_where_taps_serve_a_compil
     made.initialize_kv_cache(None, is_profiling=True)
     assert isinstance(made.cudagraph_manager, TapBrokenGraphs) is breaks  # type: ignore[attr-defined]
     assert isinstance(made.cudagraph_manager, ModelCudaGraphManager)  # type: ignore[attr-defined]
+
+
+def test_the_broken_captures_are_left_out_where_the_setting_says_so(monkeypatch) -> None:
+    """`VLLM_INTERP_BREAK_AT_TAPS=0`: V2's own graphs only (steps with a tap's Python run the
+    piecewise graphs); any value but 0 or 1 is refused, naming the setting."""
+    monkeypatch.setenv("VLLM_INTERP_BREAK_AT_TAPS", "0")
+    made = runner(editing=False, compiled=True)
+    made.interp.taps = {"layers.0.layer_output"}  # type: ignore[attr-defined]
+    made.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE  # type: ignore[attr-defined]
+    made.initialize_kv_cache(None, is_profiling=True)
+    assert not isinstance(made.cudagraph_manager, TapBrokenGraphs)  # type: ignore[attr-defined]
+    monkeypatch.setenv("VLLM_INTERP_BREAK_AT_TAPS", "no")
+    with pytest.raises(ValueError, match="VLLM_INTERP_BREAK_AT_TAPS='no' must be 1"):
+        made.initialize_kv_cache(None, is_profiling=True)

@@ -681,7 +681,7 @@ def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     request's rows through its storage), made by one multi-tensor kernel where a `clone` each
     would launch one a request. `_foreach_clone` allocates them in C++: 92 µs of host time for
     64 rows on an H100 host, where an `empty_like` each and `_foreach_copy_` took 147 and a
-    `clone` each 428 (`docs/gpu/k-033/private-copies-h100.txt`)."""
+    `clone` each 428 (`benchmarks/gpu/private_copies.py`)."""
     return list(torch._foreach_clone(pieces)) if pieces else []
 
 

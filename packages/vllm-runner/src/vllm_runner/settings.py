@@ -53,6 +53,24 @@ def shared_saves_memory() -> str | None:
     return shm_files.identity() if given == "1" else None
 
 
+#: Whether a compiled engine with taps also captures its full CUDA graphs broken at the taps
+#: (V2 on a GPU; "1", the default: a step whose programs need a tap's Python replays them;
+#: "0": such a step runs the piecewise graphs, and start-up captures no more graphs than vLLM).
+BREAK_AT_TAPS_VARIABLE = "VLLM_INTERP_BREAK_AT_TAPS"
+
+
+def breaks_at_taps() -> bool:
+    """The `VLLM_INTERP_BREAK_AT_TAPS` setting: whether full graphs are captured again, broken
+    at the taps (refused unless "0" or "1"). "0" trades the speed of steps with a tap's Python
+    for start-up time and graph memory, and tells what the broken captures cost the other
+    steps (`benchmarks/compiled_bench.py`'s `nobreaks` arm)."""
+    given = os.environ.get(BREAK_AT_TAPS_VARIABLE, "1")
+    if given not in ("0", "1"):
+        raise ValueError(f"{BREAK_AT_TAPS_VARIABLE}={given!r} must be 1 (full graphs are also "
+                         "captured broken at the taps, the default) or 0 (they are not)")
+    return given == "1"
+
+
 #: How values are lent to `Call` functions unless an op says otherwise (see `ops.Call`).
 READS_VARIABLE = "VLLM_INTERP_READS"
 

@@ -42,6 +42,7 @@ from vllm_runner.program import ProgramData, program_data
 from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.runtime import Runtime
 from vllm_runner.runtime_loading import load_runtime
+from vllm_runner.settings import breaks_at_taps
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest, acting
 from vllm_runner.swapped import swapped
 from vllm_runner.vllm_v1_runner import blocks_of, handed_out_blocks
@@ -184,7 +185,7 @@ class RunnerV2Mixin:
         result = super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
         manager: Any = getattr(self, "cudagraph_manager", None)
         if (manager is not None and self.interp_compiles and self.interp.taps
-                and manager.cudagraph_mode.has_full_cudagraphs()):
+                and manager.cudagraph_mode.has_full_cudagraphs() and breaks_at_taps()):
             break_at_taps(manager)
         return result
 
