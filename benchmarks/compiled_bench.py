@@ -96,6 +96,10 @@ NAMES = {
     "taps": "our LLM with every layer tapped but no graph tap, no programs",
     "nobreaks": "our LLM as for (a), without full graphs broken at the taps, no programs",
 }
+#: What a run without `--arms` measures: every arm on our one engine (each arm of
+#: `OWN_ENGINE` adds an engine start, ~65 s on a GPU, and a call there may run 10 minutes).
+DEFAULT_ARMS = ("a", "e", "b", "d", "ablate", "c", "call", "callrows", "call1", "untapped",
+                "probe")
 # Arms with an engine of their own, by the engine's name: the rest run on `ours` (every layer
 # tapped).
 OWN_ENGINE = {"cg": "ours every layer", "eager": "eager", "twin": "twin", "bare": "bare",
@@ -299,7 +303,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed pairs per arm; 0 with --profile: only profile the arms")
-    parser.add_argument("--arms", default=",".join(NAMES))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                        help=f"comma-separated, of {', '.join(NAMES)} (default: the issue's "
+                             "arms and the calls; each arm of OWN_ENGINE starts one more engine)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--engine-core-apart", action="store_true",
                         help="every engine's core in a process of its own, as vLLM runs it by "
@@ -487,8 +493,11 @@ def render(arguments: argparse.Namespace, arms: list[str], timings: Timings,
         ". Each engine in a process of its own: vLLM's default "
         "engine (compiled" + (", CUDA graphs" if on_gpu else ": Dynamo and inductor") + "), "
         "ours (`LLM(enforce_eager=False, taps=[every layer's layer_output], "
-        "graph_taps=[the middle layer's])`), for arm cg ours with every layer's a graph tap, "
-        "and vLLM's eager engine; " + (
+        "graph_taps=[the middle layer's])`); those of the arms that have one of their own: "
+        "for cg ours with every layer's a graph tap, for taps ours with no graph tap, for "
+        "nobreaks ours without the full graphs broken at the taps "
+        "(`VLLM_INTERP_BREAK_AT_TAPS=0`), for bare ours with no taps, for twin vLLM's default "
+        "engine again, for eager vLLM's eager engine; " + (
             "each engine's core in a process of its own, as vLLM runs it by default (saves "
             "cross processes). " if arguments.engine_core_apart else
             "each engine's core in the engine's process (saves do not cross processes). ") +

@@ -188,6 +188,19 @@ def test_each_private_copy_has_memory_of_its_own_and_the_pieces_values_and_layou
     assert serving.private_copies([]) == []
 
 
+def test_private_copies_are_made_the_same_on_a_torch_without_one_clone_for_all(
+        monkeypatch) -> None:
+    """`torch._foreach_clone` is recent: without it each copy is allocated apart and filled
+    by one multi-tensor copy, with the same storage, values and layout."""
+    pieces = list(torch.randn(2, 3, 8, 4).split([3, 5], 2))
+    expected = serving.private_copies(pieces)
+    monkeypatch.delattr(torch, "_foreach_clone")
+    copies = serving.private_copies(pieces)
+    for piece, copy, made in zip(pieces, copies, expected, strict=True):
+        assert torch.equal(copy, made) and copy.stride() == made.stride()
+        assert copy._base is None and copy.untyped_storage().nbytes() == piece.numel() * 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_edits_are_checked_for_nan_and_infinity_together_in_every_float_dtype(dtype) -> None:
     """`non_finite_each`: the count of NaN and infinite values of each edit; finite values

@@ -62,6 +62,12 @@ def test_a_digest_that_does_not_match_its_ops_breaks_no_one_elses_plan() -> None
     assert [[want.request_id for want in group] for group in groups] == [
         ["r0", "r1"], ["r2"], ["r2"]]
     assert [type(group[0].op) for group in groups] == [ops.Save, ops.Save, ops.Scale]
+    # and at the sampled rows: the first op of each reads the logits here
+    one, two = [ops.Save("logits")], [ops.Save("logits"), ops.Save("layers.0.layer_output")]
+    requests = [*scheduled(layout, one, prompt_length=1)[:2],
+                *scheduled(layout, two, prompt_length=1)[2:]]
+    groups = plan_step(layout, requests, locations_of).sampled.wants["logits"]
+    assert [[want.request_id for want in group] for group in groups] == [["r0", "r1"], ["r2"]]
 
 
 def test_a_chunk_that_ends_before_its_prompt_waits_at_no_sampled_value() -> None:

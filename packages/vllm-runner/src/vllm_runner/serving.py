@@ -681,8 +681,16 @@ def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     request's rows through its storage), made by one multi-tensor kernel where a `clone` each
     would launch one a request. `_foreach_clone` allocates them in C++: 92 µs of host time for
     64 rows on an H100 host, where an `empty_like` each and `_foreach_copy_` took 147 and a
-    `clone` each 428 (`benchmarks/gpu/private_copies.py`)."""
-    return list(torch._foreach_clone(pieces)) if pieces else []
+    `clone` each 426 (`benchmarks/gpu/private_copies.py`). A torch without that op (it is
+    recent) makes them as before."""
+    if not pieces:
+        return []
+    clone_all = getattr(torch, "_foreach_clone", None)
+    if clone_all is not None:
+        return list(clone_all(pieces))
+    copies = [torch.empty_like(piece) for piece in pieces]
+    torch._foreach_copy_(copies, pieces)
+    return copies
 
 
 def _read_runs(value: Value, raw: Any, wants: list[Want], layout: StepLayout

@@ -96,7 +96,7 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
     # digest does not match its ops (the digest travels with them) from breaking the step's
     # plan for the others.
     groups: dict[tuple[str, int], tuple[list[tuple[OpGroup | None, list[str]]], bool]] = {}
-    sampled_groups: dict[tuple[str, int], OpGroup] = {}
+    sampled_groups: dict[tuple[str, int, int], OpGroup] = {}
     sampled: StepLayout | None = None
     # The layout's columns, read directly: this loop runs for every request at every step with
     # programs (`layout[request_id]` builds the same span through a lookup of its own).
@@ -128,7 +128,7 @@ def plan_step(layout: StepLayout, requests: Sequence[ScheduledRequest],
         for op_index, (op, (_, sampled_locations)) in enumerate(zip(ops, made, strict=True)):
             if not sampled_locations:
                 continue
-            key = (program.digest, op_index)
+            key = (*program_key, op_index)
             sampled_group = sampled_groups.get(key)
             if sampled_group is None:
                 sampled_group = sampled_groups[key] = OpGroup()

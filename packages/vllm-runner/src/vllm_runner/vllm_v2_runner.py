@@ -182,10 +182,11 @@ class RunnerV2Mixin:
         """V2's own (which makes its CUDA-graph manager, for profiling and again for real),
         then, where taps serve a compiled engine with full graphs, that manager also captures
         its full graphs broken at the taps (`vllm_v2_tap_graphs`)."""
+        breaks = breaks_at_taps()  # read first: a bad value stops the start before V2's work
         result = super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
         manager: Any = getattr(self, "cudagraph_manager", None)
-        if (manager is not None and self.interp_compiles and self.interp.taps
-                and manager.cudagraph_mode.has_full_cudagraphs() and breaks_at_taps()):
+        if (breaks and manager is not None and self.interp_compiles and self.interp.taps
+                and manager.cudagraph_mode.has_full_cudagraphs()):
             break_at_taps(manager)
         return result
 
