@@ -126,14 +126,12 @@ def acting_programs(runtime: Runtime, programs: Mapping[str, Kept], scheduler_ou
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     if not programs or not scheduled:
         return []
-    if runtime.every_program_acts:  # no request's rows to look up
-        return [kept[0] for request_id in scheduled
-                if (kept := programs.get(request_id)) is not None]
-    firsts = computed_tokens(scheduler_output)
+    every = runtime.every_program_acts  # then no request's rows are looked up
+    firsts = {} if every else computed_tokens(scheduler_output)
     acts_at = runtime.acts_at
     return [kept[0] for request_id in scheduled
             if (kept := programs.get(request_id)) is not None
-            and acts_at(kept[0], kept[1], firsts.get(request_id, 0))]
+            and (every or acts_at(kept[0], kept[1], firsts.get(request_id, 0)))]
 
 
 def computed_tokens(scheduler_output: Any) -> dict[str, int]:
