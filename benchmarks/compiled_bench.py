@@ -56,17 +56,19 @@ our engines start, and the arms are profiled, not timed (one engine start instea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import multiprocessing
 import os
 import platform
 import queue
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -246,7 +248,11 @@ class Engine:
             kind, model, settings, taps, engine_core_apart, self.jobs, self.results))
         self.process.start()
         started = time.perf_counter()
-        _, self.layers, self.hidden, self.vocab = self.answer("ready")
+        try:
+            _, self.layers, self.hidden, self.vocab = self.answer("ready")
+        except BaseException:
+            self.stop()  # one that did not answer in time still holds its share of the GPU
+            raise
         print(f"{kind} engine ready in {time.perf_counter() - started:.0f} s", flush=True)
 
     def answer(self, expected: str) -> tuple[Any, ...]:
@@ -290,6 +296,61 @@ class Engine:
         forwards = self.answer("forwards")[1]
         self.process.join(timeout=120)
         return forwards
+
+    def stop(self) -> None:
+        """End the child at once (after a failure elsewhere): a child left waiting for jobs
+        keeps this process from exiting (multiprocessing joins its children at exit) and its
+        GPU memory from the next call (a GPU call hung that way until its limit, 2026-12-06)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=30)
+
+
+@contextlib.contextmanager
+def stopped_on_failure(engines: dict[str, Engine]) -> Iterator[None]:
+    """Within the block, an exception (an engine that failed to start or to run, a Ctrl-C)
+    stops every engine in `engines` before it propagates, so the benchmark ends with its
+    error instead of waiting on children that will never be asked for anything."""
+    try:
+        yield
+    except BaseException:
+        for engine in engines.values():
+            engine.stop()
+        raise
+
+
+def planned_engines(arms: list[str], profile_only: bool, taps: tuple[list[str], list[str]]
+                    ) -> list[tuple[str, str, tuple[list[str], list[str]]]]:
+    """The engines the arms need, in the order they start: (name in `OWN_ENGINE` or
+    "default"/"ours", kind for `serve_engine`, taps). With `--repeats 0` only the arms' own."""
+    no_taps: tuple[list[str], list[str]] = ([], [])
+    planned = [] if profile_only else [("default", "default", no_taps)]
+    if set(arms) - OWN_ENGINE.keys():
+        planned.append(("ours", "ours", taps))
+    own = {  # each arm of OWN_ENGINE: the kind its engine is and the taps it declares
+        "cg": ("ours every layer", (taps[0], taps[0])),  # every layer a graph tap
+        "eager": ("eager", no_taps),
+        "twin": ("default twin", no_taps),  # the method's own bias: another process
+        "bare": ("ours bare", no_taps),  # what declaring taps costs steps without programs
+        "taps": ("ours taps only", (taps[0], [])),  # what the graph tap costs every step
+        "nobreaks": ("ours no breaks", taps),  # what the broken captures cost every step
+    }
+    planned += [(OWN_ENGINE[arm], *own[arm]) for arm in own if arm in arms]
+    return planned
+
+
+def check_gpu_memory(planned: list[tuple[str, str, Any]], utilization: float) -> None:
+    """Refuse, before any engine starts, arms whose engines cannot all hold their share of one
+    GPU at once: each takes `utilization` of it and its CUDA context besides (~1 GiB on an
+    H100: four engines at 0.2 took 67 of 79 GiB, and a fifth could not start)."""
+    if len(planned) * utilization <= 0.9:
+        return
+    names = ", ".join(name for name, _, _ in planned)
+    raise SystemExit(
+        f"{len(planned)} engines ({names}) at --gpu-memory-utilization {utilization} would "
+        f"take {len(planned) * utilization:.0%} of the GPU before their CUDA contexts: give "
+        f"fewer arms of their own engine, or --gpu-memory-utilization "
+        f"{0.9 / len(planned):.2f}")
 
 
 def main() -> None:
@@ -349,25 +410,27 @@ def main() -> None:
     config = AutoConfig.from_pretrained(model)
     middle = config.num_hidden_layers // 2
     taps = (["layers.*.layer_output"], [f"layers.{middle}.layer_output"])
-    # One engine at a time starts (start-up compiles, and would compete for the cores). With
-    # `--repeats 0` only the arms' engines start, to be profiled.
-    start = partial(Engine, model=model, settings=settings,
-                    engine_core_apart=arguments.engine_core_apart)
-    engines = {} if profile_only else {"default": start("default")}
-    if set(arms) - OWN_ENGINE.keys():
-        engines["ours"] = start("ours", taps=taps)
-    if "cg" in arms:  # a user saving every layer at speed declares them all graph taps
-        engines["ours every layer"] = start("ours every layer", taps=(taps[0], taps[0]))
-    if "eager" in arms:
-        engines["eager"] = start("eager")
-    if "twin" in arms:  # the method's own bias: the same engine, another process
-        engines["twin"] = start("default twin")
-    if "bare" in arms:  # what declaring taps costs steps without programs (prefill pieces)
-        engines["bare"] = start("ours bare")
-    if "taps" in arms:  # against (a) and (bare): what the graph tap's buffers cost every step
-        engines["ours taps only"] = start("ours taps only", taps=(taps[0], []))
-    if "nobreaks" in arms:  # against (a): what the broken captures cost every step
-        engines["ours no breaks"] = start("ours no breaks", taps=taps)
+    planned = planned_engines(arms, profile_only, taps)
+    if on_gpu:
+        check_gpu_memory(planned, arguments.gpu_memory_utilization)
+    engines: dict[str, Engine] = {}
+    # `timeout` (check.sh on the GPU) ends a run with SIGTERM, which would end this process
+    # without stopping its engines: raise instead, so that `stopped_on_failure` stops them.
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    with stopped_on_failure(engines):
+        # One engine at a time starts (start-up compiles, and would compete for the cores).
+        for name, kind, engine_taps in planned:
+            engines[name] = Engine(kind, model, settings, engine_taps,
+                                   arguments.engine_core_apart)
+        measure(arguments, arms, engines, config, model, on_gpu, profile_only)
+
+
+def measure(arguments: argparse.Namespace, arms: list[str], engines: dict[str, Engine],
+            config: Any, model: str, on_gpu: bool, profile_only: bool) -> None:
+    """The timed pairs of every arm against the default engine (a report after each repeat),
+    the profiles asked for, and the final report with our engine's forwards by path."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
 
     def fresh_prompts() -> list[list[int]]:

@@ -66,6 +66,8 @@ def zero_blocks(kv_caches: list[torch.Tensor], num_blocks: int, block_ids: list[
             continue
         index = indices.get(kv.device)
         if index is None:
-            index = indices[kv.device] = torch.tensor(block_ids, dtype=torch.long,
-                                                      device=kv.device)
+            # Not waiting for the device: a blocking copy would wait for the step queued
+            # before this one, and hold the host back from running ahead (async scheduling).
+            index = indices[kv.device] = torch.tensor(block_ids, dtype=torch.long).to(
+                kv.device, non_blocking=True)
         kv.index_fill_(axis, index, 0)
