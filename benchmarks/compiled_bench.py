@@ -43,7 +43,10 @@ Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING
 the profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its
 own, so saves collected cross processes as users' do (`vllm_runner.wire`). Our engine reports the
 seconds of each run spent collecting saves after the last step (the *collecting* column): a cost
-per saved byte, apart from the steps' cost.
+per saved byte, apart from the steps' cost. Each engine's process also reports what it used of
+the host in each run (`host_use.py`: CPU time of the thread that ran it and of the others,
+context switches, threads, peak memory), for telling apart why one process runs the same host
+work slower than another.
 
 `--profile PATH` then runs the default engine and each arm once more under cProfile and once
 under torch's profiler (kernels by device time, the device's busy share of the wall time): for
@@ -76,6 +79,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from host_use import TABLE_HEADER, HostUse, HostUseMeter, median_row  # noqa: E402 (the path)
 from pairs import timed_pair  # noqa: E402 (the benchmarks folder is on the path now)
 from profiles import PROFILERS  # noqa: E402
 
@@ -187,12 +191,13 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
             workload = partial(run_workload, engine, kind.startswith("ours"), arm, prompts, width,
                                max_tokens, (layers, config.get_hidden_size()), failed)
             collecting[0] = 0.0
-            start = time.perf_counter()
+            meter = HostUseMeter()
             report = PROFILERS[profiler](workload) if profiler else workload()
+            use = meter.stop()
             if failed:
                 results.put(("failed", failed[0]))
                 return
-            results.put(("took", time.perf_counter() - start, report, collecting[0]))
+            results.put(("took", use.wall, report, collecting[0], use))
         results.put(("forwards", engine.forwards() if kind.startswith("ours") else None))
     finally:
         # An engine core in a process of its own (`--engine-core-apart`) is a child of this one,
@@ -279,11 +284,12 @@ class Engine:
         return tuple(found)
 
     def run(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int
-            ) -> tuple[float, float]:
-        """Seconds of one run of `arm`, and of them the seconds spent collecting saves."""
+            ) -> tuple[float, float, HostUse]:
+        """Seconds of one run of `arm`, of them the seconds spent collecting saves, and what
+        the engine's process used of the host meanwhile."""
         self.jobs.put((arm, prompts, width, max_tokens, None))
-        _, took, _, collecting = self.answer("took")
-        return float(took), float(collecting)
+        _, took, _, collecting, use = self.answer("took")
+        return float(took), float(collecting), use
 
     def profile(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int,
                 profiler: str) -> str:
@@ -442,14 +448,17 @@ def measure(arguments: argparse.Namespace, arms: list[str], engines: dict[str, E
         return engines[OWN_ENGINE.get(arm, "ours")]
 
     def run_arm(arm: str, prompts: list[list[int]]) -> float:
-        took, collecting = arm_engine_of(arm).run(arm, prompts, arguments.concurrency,
-                                                  arguments.max_tokens)
+        took, collecting, use = arm_engine_of(arm).run(arm, prompts, arguments.concurrency,
+                                                       arguments.max_tokens)
         collection[arm].append(collecting)
+        host_use[arm].append(use)
         return took
 
-    def run_default(prompts: list[list[int]]) -> float:
-        return engines["default"].run("a", prompts, arguments.concurrency,
-                                      arguments.max_tokens)[0]
+    def run_default(arm: str, prompts: list[list[int]]) -> float:
+        took, _, use = engines["default"].run("a", prompts, arguments.concurrency,
+                                              arguments.max_tokens)
+        default_host_use[arm].append(use)
+        return took
 
     warm = fresh_prompts()
     for engine in engines.values():
@@ -458,6 +467,8 @@ def measure(arguments: argparse.Namespace, arms: list[str], engines: dict[str, E
     seconds: dict[str, list[float]] = {arm: [] for arm in arms}
     collection: dict[str, list[float]] = {arm: [] for arm in arms}
     default_seconds: dict[str, list[float]] = {arm: [] for arm in arms}  # each arm's pairs
+    host_use: dict[str, list[HostUse]] = {arm: [] for arm in arms}
+    default_host_use: dict[str, list[HostUse]] = {arm: [] for arm in arms}
     device = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()}, " \
                                                            f"{os.cpu_count()} cores"
     out = Path(arguments.out or ROOT / "docs" / "benchmarks" /
@@ -466,7 +477,9 @@ def measure(arguments: argparse.Namespace, arms: list[str], engines: dict[str, E
 
     def publish(done: int, forwards: dict[str, int] | None) -> str:
         # After every repeat: a run cut short (the GPU's 10-minute calls) still leaves a report.
-        report = render(arguments, arms, Timings(ratios, seconds, collection, default_seconds),
+        timings = Timings(ratios, seconds, collection, default_seconds, host_use,
+                          default_host_use)
+        report = render(arguments, arms, timings,
                         forwards, device, model, on_gpu, out.with_suffix(".png").name, done)
         out.write_text(report)
         plot(arms, ratios, out.with_suffix(".png"), device)
@@ -475,7 +488,7 @@ def measure(arguments: argparse.Namespace, arms: list[str], engines: dict[str, E
     for repeat in range(arguments.repeats):
         for arm in arms:
             prompts = fresh_prompts()
-            base, took = timed_pair(repeat, partial(run_default, prompts),
+            base, took = timed_pair(repeat, partial(run_default, arm, prompts),
                                     partial(run_arm, arm, prompts))
             default_seconds[arm].append(base)
             seconds[arm].append(took)
@@ -526,6 +539,8 @@ class Timings:
     seconds: dict[str, list[float]]
     collection: dict[str, list[float]]
     default_seconds: dict[str, list[float]]
+    host_use: dict[str, list[HostUse]]  # the arm's engine's process, in the arm's runs
+    default_host_use: dict[str, list[HostUse]]  # the default engine's, in the arm's pairs
 
     def fastest_ratio(self, arm: str) -> float:
         """The default engine's fastest run over the arm's fastest: on a host whose runs swing
@@ -600,6 +615,15 @@ def render(arguments: argparse.Namespace, arms: list[str], timings: Timings,
         "`tap_breaks_joined` those of them whose segments ran joined around the taps their "
         "step did not need.",
     ]
+    lines += ["", "What each engine's process used of the host in a run (medians over the arm's "
+              "pairs; *timed thread*: the one that ran `generate` and, in process, the engine's "
+              "steps; *other threads*: the rest of the process; `benchmarks/host_use.py`):", "",
+              TABLE_HEADER]
+    for arm in arms:
+        if timings.host_use[arm]:
+            lines += [f"| {arm} | {OWN_ENGINE.get(arm, 'ours')} | "
+                      f"{median_row(timings.host_use[arm])} |",
+                      f"| {arm} | default | {median_row(timings.default_host_use[arm])} |"]
     lines += [
         "",
         f"![ratios]({plot_name})",
