@@ -167,6 +167,7 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
     report). The engine core runs in this process unless `engine_core_apart` (vLLM's default)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_apart else "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    exit_on_sigterm()  # `Engine.stop`: the `finally` below then shuts an apart core down
     collecting = [0.0]
     if kind == "ours no breaks":
         os.environ["VLLM_INTERP_BREAK_AT_TAPS"] = "0"
@@ -304,12 +305,18 @@ class Engine:
         return forwards
 
     def stop(self) -> None:
-        """End the child at once (after a failure elsewhere): a child left waiting for jobs
-        keeps this process from exiting (multiprocessing joins its children at exit) and its
-        GPU memory from the next call (a GPU call hung that way until its limit, 2026-12-06)."""
+        """End the child (after a failure elsewhere): a child left waiting for jobs keeps this
+        process from exiting (multiprocessing joins its children at exit) and its GPU memory
+        from the next call (a GPU call hung that way until its limit, 2026-12-06). SIGTERM
+        first, so that it shuts down an engine core of its own (`--engine-core-apart`), which
+        a kill would leave running; a kill if it has not ended in 30 s."""
+        self.jobs.cancel_join_thread()  # a job it will never read must not block our exit
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
-        self.process.join(timeout=30)
+            self.process.join(timeout=30)
 
 
 @contextlib.contextmanager
@@ -320,9 +327,17 @@ def stopped_on_failure(engines: dict[str, Engine]) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut this short
         for engine in engines.values():
             engine.stop()
         raise
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (`kill`, `timeout`, `Engine.stop`) raise `SystemExit` in this process, so
+    that its cleanup runs (`stopped_on_failure`, `serve_engine`'s `finally`), where Python's
+    default would end it on the spot."""
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
 
 
 def planned_engines(arms: list[str], profile_only: bool, taps: tuple[list[str], list[str]]
@@ -420,9 +435,9 @@ def main() -> None:
     if on_gpu:
         check_gpu_memory(planned, arguments.gpu_memory_utilization)
     engines: dict[str, Engine] = {}
-    # `timeout` (check.sh on the GPU) ends a run with SIGTERM, which would end this process
-    # without stopping its engines: raise instead, so that `stopped_on_failure` stops them.
-    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    # A SIGTERM to this process alone (a `kill`; `timeout` signals the whole group) stops
+    # its engines too, through `stopped_on_failure`.
+    exit_on_sigterm()
     with stopped_on_failure(engines):
         # One engine at a time starts (start-up compiles, and would compete for the cores).
         for name, kind, engine_taps in planned:

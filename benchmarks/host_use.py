@@ -2,10 +2,11 @@
 of the whole process, context switches, threads and peak memory.
 
 Made for telling apart why one engine's process runs the same host work slower than another's
-(issue [K]: our engine's steps without programs ran 3-5% under vLLM's default engine on H100s
-with the same kernels, device time and torch calls): CPU time of threads other than the one
-timed would show a background thread taking the interpreter from the engine's loop,
-involuntary switches the OS taking its core away, and neither a slower core or memory.
+(issue [K]: our engine's steps without programs ran 4-6% under vLLM's default engine on H100s
+with as many kernels, the same device time and the same torch calls): CPU time of threads
+other than the one timed would show a background thread taking the interpreter from the
+engine's loop, involuntary switches the OS taking its core away, and neither a slower core or
+memory.
 """
 
 from __future__ import annotations
