@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import median
 
 MIB = 1 << 20
 
@@ -72,9 +72,6 @@ def _thread_count() -> int:
 
 def median_row(uses: Sequence[HostUse]) -> str:
     """The medians of `uses` as the cells of `TABLE_HEADER`'s columns after the first two."""
-    def median(values: Sequence[float]) -> float:
-        return statistics.median(values)
-
     return (f"{median([use.wall for use in uses]):.3f} | "
             f"{median([use.thread_cpu for use in uses]):.3f} | "
             f"{median([use.other_threads_cpu for use in uses]):.3f} | "
