@@ -360,18 +360,23 @@ def planned_engines(arms: list[str], profile_only: bool, taps: tuple[list[str], 
     return planned
 
 
+#: The share of one GPU the engines' shares may add up to: each engine's CUDA context takes
+#: memory besides its share (~1 GiB on an H100).
+ENGINES_SHARE = 0.9
+
+
 def check_gpu_memory(planned: list[tuple[str, str, Any]], utilization: float) -> None:
     """Refuse, before any engine starts, arms whose engines cannot all hold their share of one
-    GPU at once: each takes `utilization` of it and its CUDA context besides (~1 GiB on an
-    H100: four engines at 0.2 took 67 of 79 GiB, and a fifth could not start)."""
-    if len(planned) * utilization <= 0.9:
+    GPU at once: each takes `utilization` of it and its CUDA context besides (four engines at
+    0.2 took 67 of 79 GiB of an H100, and a fifth could not start)."""
+    if len(planned) * utilization <= ENGINES_SHARE:
         return
     names = ", ".join(name for name, _, _ in planned)
     raise SystemExit(
         f"{len(planned)} engines ({names}) at --gpu-memory-utilization {utilization} would "
         f"take {len(planned) * utilization:.0%} of the GPU before their CUDA contexts: give "
         f"fewer arms of their own engine, or --gpu-memory-utilization "
-        f"{0.9 / len(planned):.2f}")
+        f"{ENGINES_SHARE / len(planned):.2f}")
 
 
 def main() -> None:

@@ -676,6 +676,11 @@ def _call_each(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepL
     return True
 
 
+#: torch's multi-tensor clone, where this torch has it (looked up once, not at every step).
+_CLONE_ALL: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]] | None = getattr(
+    torch, "_foreach_clone", None)
+
+
 def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each piece in memory of its own (a function handed one cannot reach another
     request's rows through its storage), made by one multi-tensor kernel where a `clone` each
@@ -685,9 +690,8 @@ def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     recent) makes them as before."""
     if not pieces:
         return []
-    clone_all = getattr(torch, "_foreach_clone", None)
-    if clone_all is not None:
-        return list(clone_all(pieces))
+    if _CLONE_ALL is not None:
+        return list(_CLONE_ALL(pieces))
     copies = [torch.empty_like(piece) for piece in pieces]
     torch._foreach_copy_(copies, pieces)
     return copies
