@@ -47,19 +47,23 @@ class HostUseMeter:
     """Started before a run, read after it (`stop`), in the thread that runs it."""
 
     def __init__(self) -> None:
+        # The threads' snapshot first: reading /proc for each of an engine's ~100 threads takes
+        # milliseconds, which must not count as the run's.
+        self._tid = threading.get_native_id()
+        self._per_thread = _time_on_core_per_thread()
         self._wall = time.perf_counter()
         self._thread = time.thread_time()
         self._usage = resource.getrusage(resource.RUSAGE_SELF)
-        self._tid = threading.get_native_id()
-        self._per_thread = _time_on_core_per_thread()
 
     def stop(self) -> HostUse:
         """The use since the meter was made."""
+        wall = time.perf_counter() - self._wall
+        thread_cpu = time.thread_time() - self._thread
         usage = resource.getrusage(resource.RUSAGE_SELF)
         before = self._usage
         return HostUse(
-            wall=time.perf_counter() - self._wall,
-            thread_cpu=time.thread_time() - self._thread,
+            wall=wall,
+            thread_cpu=thread_cpu,
             process_cpu=(usage.ru_utime + usage.ru_stime) - (before.ru_utime + before.ru_stime),
             voluntary_switches=usage.ru_nvcsw - before.ru_nvcsw,
             involuntary_switches=usage.ru_nivcsw - before.ru_nivcsw,
