@@ -61,15 +61,17 @@ class HostUseMeter:
         thread_cpu = time.thread_time() - self._thread
         usage = resource.getrusage(resource.RUSAGE_SELF)
         before = self._usage
+        now = _time_on_core_per_thread()
         return HostUse(
             wall=wall,
             thread_cpu=thread_cpu,
             process_cpu=(usage.ru_utime + usage.ru_stime) - (before.ru_utime + before.ru_stime),
             voluntary_switches=usage.ru_nvcsw - before.ru_nvcsw,
             involuntary_switches=usage.ru_nivcsw - before.ru_nivcsw,
-            threads=_thread_count(),
+            # Native threads included where /proc lists them (Linux), else Python's.
+            threads=len(now) or threading.active_count(),
             max_rss_mib=usage.ru_maxrss * 1024 / MIB,  # ru_maxrss is in KiB on Linux
-            busiest_others=self._busiest_others(_time_on_core_per_thread()))
+            busiest_others=self._busiest_others(now))
 
     def _busiest_others(self, now: dict[int, tuple[str, float]], count: int = 3
                         ) -> tuple[tuple[str, float], ...]:
@@ -100,14 +102,6 @@ def _time_on_core_per_thread() -> dict[int, tuple[str, float]]:
         except (OSError, ValueError, IndexError):
             continue  # the thread ended, or the kernel keeps no statistics
     return threads
-
-
-def _thread_count() -> int:
-    """The process's threads, native ones included where /proc says (Linux), else Python's."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
 
 
 def median_row(uses: Sequence[HostUse]) -> str:
