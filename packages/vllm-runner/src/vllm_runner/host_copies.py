@@ -250,7 +250,9 @@ def land(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for destination, source in pairs:
             destination.copy_(source)
         return
-    list(_landing_pool().map(_copy_all, _shares(pairs, total, threads)))
+    inference = torch.is_inference_mode_enabled()
+    list(_landing_pool().map(partial(_copy_all, inference=inference),
+                             _shares(pairs, total, threads)))
 
 
 def in_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
@@ -258,11 +260,13 @@ def in_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
     work that writes fresh memory, as `land`'s copies do)."""
     if len(calls) < 2 or LANDING_THREADS < 2:
         return [call() for call in calls]
-    return list(_landing_pool().map(_called, calls))
+    return list(_landing_pool().map(partial(_called, inference=torch.is_inference_mode_enabled()),
+                                    calls))
 
 
-def _called(call: Callable[[], Any]) -> Any:
-    return call()
+def _called(call: Callable[[], Any], inference: bool) -> Any:
+    with torch.inference_mode(inference):
+        return call()
 
 
 def _shares(pairs: list[tuple[torch.Tensor, torch.Tensor]], total: int, threads: int
@@ -288,9 +292,12 @@ def _shares(pairs: list[tuple[torch.Tensor, torch.Tensor]], total: int, threads:
     return shares
 
 
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for destination, source in pairs:
-        destination.copy_(source)
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], inference: bool) -> None:
+    # Inference mode is a thread's own: a landing thread takes its caller's, or it could not
+    # write into the host tensors made under vLLM's inference mode (inference tensors).
+    with torch.inference_mode(inference):
+        for destination, source in pairs:
+            destination.copy_(source)
 
 
 def _new_landing_pool() -> ThreadPoolExecutor:
