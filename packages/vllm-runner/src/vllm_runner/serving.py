@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
+from operator import attrgetter
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -644,8 +645,11 @@ def _call_each(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepL
     mode = op.reads or services.reads  # one program: every member's op has the same fields
     if mode == "view":
         return False
-    live = sorted((want for want in members if not passed_over(want, value, store.failed)),
-                  key=lambda want: want.span.start)
+    if store.may_have_failed or not _served_at_every_step(value, members):
+        live = [want for want in members if not passed_over(want, value, store.failed)]
+    else:  # the usual step: every member is served, asked once for all
+        live = list(members)
+    live.sort(key=_slab_order)
     try:
         with torch.inference_mode(False):  # private copies that count their in-place edits
             copies = private_copies([
@@ -704,6 +708,11 @@ def _read_runs(value: Value, raw: Any, wants: list[Want], layout: StepLayout
     runs = _adjacent(wants)
     return [(run, value.read(narrow(raw, Span(run[0].span.start, run[-1].span.stop), layout),
                              run[0].step)) for run in runs]
+
+
+#: A want's place in the slab (its rows' first), as a C-level getter: sorting dozens of wants
+#: a step.
+_slab_order = attrgetter("span.start")
 
 
 def _adjacent(wants: list[Want]) -> list[list[Want]]:
