@@ -148,6 +148,38 @@ def test_spilled_saves_are_collected_unchanged(monkeypatch, one_device_per_cat) 
     assert store.device_bytes == 0 and len(store) == 0
 
 
+def test_a_spill_that_fails_fails_the_requests_it_moved_and_the_store_goes_on(
+        monkeypatch, one_device_per_cat) -> None:
+    """A spill that cannot finish (the host out of memory; on 2026-12-06 a landing thread that
+    could not write an inference tensor) used to raise out of the step and stop the engine for
+    every request. Now the requests whose saves it was moving fail, naming the cause, their
+    saves freed; later requests save and collect as before."""
+    monkeypatch.setattr(host_copies, "STAGING_BYTES", 64)
+    rows, pattern = torch.randn(1, 8, 4), torch.randn(2, 3, 3)
+    store = SaveStore()
+    _fill(store, rows, pattern, later=False)
+
+    def host_full(pairs):
+        raise MemoryError("host memory exhausted")
+
+    with monkeypatch.context() as broken:
+        broken.setattr(host_copies, "land", host_full)
+        store.spill(0)
+    assert store.device_bytes == 0
+    for program_id in ("x", "y", "z"):
+        assert store.failed(program_id)
+        assert store.has_saves(program_id, "a") is False
+    found = store.collect([("x", 5, {"a": None}), ("y", 2, {"a": None})])
+    assert found == {"x": {}, "y": {}}
+    why = store.error("x")
+    assert why is not None and "MemoryError: host memory exhausted" in why
+    assert "save fewer values" in why
+    store.save("w", "a", 0, on_a_device(rows[:, :3]), 1)  # a later request: as before
+    store.spill(0)
+    assert torch.equal(store.collect([("w", 3, {"a": None})])["w"]["a"], rows[:, :3])
+    assert store.error("w") is None
+
+
 @pytest.mark.parametrize("given", ["-1", "1.5", "lots", 1.5, True])
 def test_a_bad_device_saves_limit_is_refused_by_name(given) -> None:
     with pytest.raises(ValueError, match="VLLM_INTERP_DEVICE_SAVES_MIB"):

@@ -330,9 +330,19 @@ class SaveStore:
         if self.device_bytes <= limit:
             return
         mover = host_copies.ToHost(self._staging_buffer)
-        for program_id in list(self._device_bytes):
-            self._to_host(program_id, mover)
-        mover.flush()
+        moving = list(self._device_bytes)
+        try:
+            for program_id in moving:
+                self._to_host(program_id, mover)
+            mover.flush()
+        except Exception as error:  # e.g. the host out of memory: those requests fail, not all
+            # Some of their chunks may have moved, some not, one batch half copied: none kept.
+            why = (f"its saves could not be moved from the device to the host past the device "
+                   f"limit ({type(error).__name__}: {error}); save fewer values or positions, "
+                   "or give the host more memory")
+            for program_id in moving:
+                self.fail(program_id, why)
+                self._release(program_id)
 
     def _to_host(self, program_id: str, mover: host_copies.ToHost) -> None:
         """Queue `program_id`'s device chunks on `mover`, joined where positions follow on."""
@@ -452,14 +462,18 @@ class SaveStore:
         self.settle()
         for program_id in program_ids:
             self._errors.pop(program_id, None)
-            self._forget(program_id)
-            self._recording.pop(program_id, None)
-            for location, chunks in self._chunks.pop(program_id, {}).items():
-                for _, rows in chunks:
-                    if isinstance(rows, PendingRows | RecordedRows):
-                        rows.release()
-                self._axes.pop((program_id, location), None)
-                self._fills.pop((program_id, location), None)
+            self._release(program_id)
+
+    def _release(self, program_id: str) -> None:
+        """Free what `program_id` saved; its error, if any, stays to be collected."""
+        self._forget(program_id)
+        self._recording.pop(program_id, None)
+        for location, chunks in self._chunks.pop(program_id, {}).items():
+            for _, rows in chunks:
+                if isinstance(rows, PendingRows | RecordedRows):
+                    rows.release()
+            self._axes.pop((program_id, location), None)
+            self._fills.pop((program_id, location), None)
 
     def __len__(self) -> int:
         return len(self._chunks)
