@@ -125,6 +125,27 @@ run("prompt only elsewhere", *traced, interventions=[prompt_only, []])
 run("steered elsewhere", prompts, plain,
     interventions=[[ops.Add("layers.1.attention_output", steer, scale=8.0)], [], []])
 
+def fail_a_spill_once(worker):
+    # As a move of saves to the host that fails (`SaveStore.spill`): at the start of a step the
+    # first request holding saves fails, its saves freed.
+    store = worker.model_runner.interp.store
+
+    def failing(limit):
+        held = [program_id for program_id, chunks in store._chunks.items() if chunks]
+        if not held:
+            return type(store).spill(store, limit)
+        del store.spill  # once: the store's own again
+        store.fail(held[0], "its saves could not be moved to the host (the test's)")
+        store._release(held[0])
+        return held[:1]
+
+    store.spill = failing
+
+llm.collective_rpc(fail_a_spill_once)
+run("a spill failed", prompts, plain,
+    interventions=[[ops.Add("layers.1.layer_output", steer, scale=8.0),
+                    ops.Save("layers.*.layer_output")], [], []])
+
 def set_compiled(worker, value):
     worker.model_runner.interp.compiled = value
 
@@ -419,6 +440,21 @@ def test_a_value_saved_after_its_ablation_in_the_graph_has_nothing_left_along_it
     unit = STEER / STEER.norm()
     assert saved.shape[1] == len(PROMPTS[0]) + GENERATED - 1
     assert (saved[0] @ unit).abs().max() < 1e-4 * saved.norm(dim=-1).max()
+
+
+def test_a_request_whose_saves_a_spill_lost_gets_nothing_more_from_the_graph(ours, bare) -> None:
+    """A failed move of saves to the host (`SaveStore.spill`, at a step's start) fails the
+    requests it was moving; the step already scheduled them, and one served from the graph's
+    buffers must not steer them or save for them at that step (saves that would come back as a
+    fragment beside the error). The others run as if nothing happened."""
+    run = ours["a spill failed"]
+    # The step it failed at runs compiled with nothing to serve (counted with the taps' steps:
+    # its adapter saw a program scheduled).
+    assert run["forwards"]["eager"] == 0 < run["forwards"]["in_graph"]
+    failed, *others = run["outputs"]
+    assert "could not be moved to the host (the test's)" in (failed["error"] or "")
+    assert failed["saved"] == {}
+    equal_to_the_last_bits(others, bare["plain"][1:])
 
 
 def test_steering_elsewhere_on_a_compiled_engine_changes_only_its_own_request(

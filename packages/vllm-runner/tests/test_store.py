@@ -52,7 +52,7 @@ def test_collected_rows_own_their_memory_and_filters_apply() -> None:
 # it) may not write into — the H100's spill run failed so on 2026-12-06.
 @pytest.mark.parametrize("staging_bytes", [64, 256, 2**20])
 @pytest.mark.parametrize("landing_threads", [1, 3])
-@pytest.mark.parametrize("inference", [False, True], ids=["grad-free", "inference-mode"])
+@pytest.mark.parametrize("inference", [False, True], ids=["normal", "inference-mode"])
 def test_saves_on_a_device_cross_in_batches_unchanged(monkeypatch, staging_bytes,
                                                       landing_threads, inference) -> None:
     monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)

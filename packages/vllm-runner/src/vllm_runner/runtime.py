@@ -370,7 +370,10 @@ class Runtime:
 
     def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> None:
         """Plan the step and hook what its programs want (nothing, for a step without any)."""
-        self.store.spill(self.device_saves_limit)  # the last step's saves are all made
+        if failed := set(self.store.spill(self.device_saves_limit)):  # the last step's are made
+            # Their saves are gone: this step serves them nothing (steering included).
+            requests = [request for request in requests
+                        if request.program.program_id not in failed]
         if self.in_graph and requests and self._plan_in_graph(layout, requests):
             self._tokens = self._sampled = NO_VISITS
             self._served_in_graph = True

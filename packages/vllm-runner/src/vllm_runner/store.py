@@ -11,6 +11,7 @@ saving together made in a step (`recorded_saves.RecordedRows`).
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -32,6 +33,8 @@ from vllm_runner.unread_checks import UnreadChecks
 
 if TYPE_CHECKING:
     from tokenspan import RunRead
+
+logger = logging.getLogger("vllm.interp")
 
 # Values without a token axis (the attention pattern) are stored whole under this position.
 WHOLE = -1
@@ -315,20 +318,22 @@ class SaveStore:
         for program_id, size in device_bytes:
             held[program_id] += size
 
-    def spill(self, limit: int | None) -> None:
+    def spill(self, limit: int | None) -> list[str]:
         """Move every save held on a device to the host if together they exceed `limit` bytes
         (`settings.device_saves_limit`): a request's adjacent chunks are joined first, so this
-        is a few batched copies however many steps saved. Called between steps.
+        is a few batched copies however many steps saved. Called between steps. Where the move
+        fails (the host out of memory), the programs it was moving fail, their saves freed, and
+        they are returned (none, normally), for the step to serve them nothing more.
 
         `limit=None` is half of the device memory free the first time saves are held there:
         after vLLM has taken its share, what is left is ours, and the other half stays free
         for collection, which joins a request's saves on the device before they move."""
         if not self._device_bytes:
-            return
+            return []
         if limit is None:
             limit = self._limit_from_free_memory()
         if self.device_bytes <= limit:
-            return
+            return []
         mover = host_copies.ToHost(self._staging_buffer)
         moving = list(self._device_bytes)
         try:
@@ -336,13 +341,18 @@ class SaveStore:
                 self._to_host(program_id, mover)
             mover.flush()
         except Exception as error:  # e.g. the host out of memory: those requests fail, not all
+            logger.exception("vllm-runner: saves could not be moved to the host; the %d "
+                             "requests whose saves they were fail", len(moving))
             # Some of their chunks may have moved, some not, one batch half copied: none kept.
             why = (f"its saves could not be moved from the device to the host past the device "
-                   f"limit ({type(error).__name__}: {error}); save fewer values or positions, "
-                   "or give the host more memory")
+                   f"limit ({type(error).__name__}: {error}); if the host ran out of memory, "
+                   "save fewer values or positions or give the host more; if not, please "
+                   "report it with the engine's log")
             for program_id in moving:
                 self.fail(program_id, why)
                 self._release(program_id)
+            return moving
+        return []
 
     def _to_host(self, program_id: str, mover: host_copies.ToHost) -> None:
         """Queue `program_id`'s device chunks on `mover`, joined where positions follow on."""
