@@ -247,17 +247,15 @@ def land(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     total = sum(source.numel() * source.element_size() for _, source in pairs)
     threads = min(LANDING_THREADS, total // max(1, PARALLEL_BYTES // 4))  # >= 1/4 of it each
     if total < PARALLEL_BYTES or threads < 2:
-        for destination, source in pairs:
-            destination.copy_(source)
+        _copy_all(pairs)
         return
-    inference = torch.is_inference_mode_enabled()
-    list(_landing_pool().map(partial(_copy_all, inference=inference),
-                             _shares(pairs, total, threads)))
+    in_parallel([partial(_copy_all, share) for share in _shares(pairs, total, threads)])
 
 
 def in_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
     """Each call's result, in order, the calls run side by side on the landing threads (for
-    work that writes fresh memory, as `land`'s copies do)."""
+    work that writes fresh memory, as `land`'s copies do), each under the caller's inference
+    mode."""
     if len(calls) < 2 or LANDING_THREADS < 2:
         return [call() for call in calls]
     return list(_landing_pool().map(partial(_called, inference=torch.is_inference_mode_enabled()),
@@ -265,6 +263,8 @@ def in_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
 
 
 def _called(call: Callable[[], Any], inference: bool) -> Any:
+    # Inference mode is a thread's own: a landing thread takes its caller's, or it could not
+    # write into the host tensors made under vLLM's inference mode (inference tensors).
     with torch.inference_mode(inference):
         return call()
 
@@ -292,12 +292,9 @@ def _shares(pairs: list[tuple[torch.Tensor, torch.Tensor]], total: int, threads:
     return shares
 
 
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], inference: bool) -> None:
-    # Inference mode is a thread's own: a landing thread takes its caller's, or it could not
-    # write into the host tensors made under vLLM's inference mode (inference tensors).
-    with torch.inference_mode(inference):
-        for destination, source in pairs:
-            destination.copy_(source)
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for destination, source in pairs:
+        destination.copy_(source)
 
 
 def _new_landing_pool() -> ThreadPoolExecutor:
