@@ -303,6 +303,39 @@ def test_an_interrupted_generate_leaves_nothing_running_or_saved(llm, monkeypatc
     assert held == [0], f"saves left in the worker: {held}"
 
 
+def test_a_collection_that_fails_loses_no_requests_text(llm, reference, monkeypatch) -> None:
+    """Where the worker cannot collect finished requests' saves (the host out of memory),
+    `generate` still returns every output: the text of requests with programs and without
+    (transformers' greedy tokens), the programmed ones with no saves and an error naming the
+    cause; nothing is left in the worker, and the next call saves as before."""
+    from vllm_runner.store import SaveStore
+
+    def host_full(*args, **kwargs):
+        raise MemoryError("host memory exhausted")
+
+    monkeypatch.setattr(SaveStore, "_rows", host_full)  # the first request's rows
+    programs = [[ops.Save("layers.*.layer_output")], [], [ops.Save("logits")]]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                           SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                           interventions=programs, use_tqdm=False)
+    for output, prompt, program in zip(outputs, PROMPTS, programs, strict=True):
+        assert list(output.outputs[0].token_ids) == greedy(reference, prompt, GENERATED)
+        assert output.saved == {}
+        if program:
+            assert output.error is not None and "MemoryError: host memory exhausted" in (
+                output.error)
+        else:
+            assert output.error is None
+    held = llm.engine.collective_rpc(lambda worker: len(worker.model_runner.interp.store))
+    assert held == [0], f"saves left in the worker: {held}"
+    monkeypatch.undo()
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])],
+                             SamplingParams(max_tokens=2, temperature=0.0),
+                             interventions=programs[0], use_tqdm=False)
+    assert output.error is None
+    assert output.saved["layers.0.layer_output"].shape[1] == len(PROMPTS[0]) + 1
+
+
 def test_requests_saving_the_same_value_share_one_read_and_each_equal_transformers(
         llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests 0 and 2 run the same program (every layer saved), so each step reads each

@@ -424,6 +424,55 @@ def test_a_collection_for_another_process_writes_rows_into_files_from_the_stagin
             assert torch.equal(value, torch.arange(12.0).reshape(1, 12, 1).expand(1, 12, 2))
 
 
+@pytest.mark.parametrize("client", ["in-process", "another-process"])
+def test_a_collection_that_fails_halfway_fails_its_requests_and_the_store_goes_on(
+        monkeypatch, client: str) -> None:
+    """A collection that cannot finish (the host out of memory) used to raise out of the
+    worker's call, and the caller lost every request's text, those without programs too. Now
+    each request it was collecting fails naming the cause and comes back with no saves; every
+    row they held is freed, the arena's blocks too, gathered already or not; files made for a
+    client in another process are removed; later requests save and collect as before."""
+    import os
+
+    from vllm_runner import wire
+
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    monkeypatch.setattr(host_copies, "STAGING_BYTES", 2 * 2 * 96)  # groups: z and x, then y
+    monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
+    store, arena = three_requests_over_six_blocks(_DeviceArena(width=2, block_bytes=48))
+    files = wire.SharedFiles() if client == "another-process" else None
+    together, calls = store_module.gather_together, []
+
+    def host_full(waiting):
+        calls.append(1)
+        if len(calls) == 2:  # the first group was gathered and moved
+            raise MemoryError("host memory exhausted")
+        together(waiting)
+
+    with monkeypatch.context() as broken:
+        broken.setattr(store_module, "gather_together", host_full)
+        found = store.collect([(key, 12, {"a": None, "b": None}) for key in "zxy"],
+                              files.places if files else None)
+    assert found == {"z": {}, "x": {}, "y": {}}
+    assert len(calls) == 2 and len(store) == 0 and store.held()["bytes"] == 0
+    assert arena.blocks == 1  # only the block rows still go into is kept
+    for key in "zxy":
+        why = store.error(key)
+        assert why is not None and "MemoryError: host memory exhausted" in why
+        assert "its text is complete" in why
+    if files is not None:
+        made = [file.path for file in files.files.values()]
+        assert made  # z's and x's, written before the failure
+        data = wire.encode({key: {"error": "failed", "saved": {}} for key in "zxy"},
+                           files=files)
+        assert all(data[key]["segment"] is None for key in "zxy")
+        assert not any(os.path.exists(path) for path in made)
+    rows = torch.randn(1, 3, 2)
+    store.save("w", "a", 0, on_a_device(rows), 1)  # a later request: as before
+    assert torch.equal(store.collect([("w", 3, {"a": None})])["w"]["a"], rows)
+    assert store.error("w") is None
+
+
 @settings(deadline=None, max_examples=150)
 @given(st.integers(1, 4), st.lists(st.tuples(st.booleans(), st.integers(-1, 3), st.booleans()),
                                    min_size=1, max_size=10))

@@ -117,8 +117,8 @@ class AsyncLLM:
         result = wire.decode(data).get(program_id, {})
         _with_results(output, result.get("saved", {}), result.get("error"))
         if output.error is not None:
-            logger.warning("request %s: its program failed and stopped there; the rest of its "
-                           "output ran without it (output.error): %s", output.request_id,
+            logger.warning("request %s: its program failed; its text still came back "
+                           "(output.error says where and why): %s", output.request_id,
                            output.error)
 
 

@@ -493,6 +493,6 @@ class LLM:
                 output.error = result.get("error")
                 if output.error is not None:
                     # Its text was still generated: say so where people look, once.
-                    logger.warning("request %s: its program failed and stopped there; the "
-                                   "rest of its output ran without it (outputs[i].error): %s",
+                    logger.warning("request %s: its program failed; its text still came "
+                                   "back (outputs[i].error says where and why): %s",
                                    output.request_id, output.error)

@@ -390,12 +390,43 @@ class SaveStore:
         `computed` is how many positions belong to the final output (prompt plus generated
         tokens but the last); rows beyond it came from steps the scheduler ran ahead.
         `wanted[location]` keeps a position or not (`None`: every position).
+
+        Where the collection fails (the host out of memory, or a bug), every request of
+        `requests` fails naming the cause, its saves freed, and comes back with none, so the
+        caller still gets every request's text (`SaveStore.error` says why); an interruption
+        (`KeyboardInterrupt`) still goes up.
         """
+        requests = [ToCollect._make(request) for request in requests]
+        # Taken before anything moves: a failure halfway leaves some rows out of `_chunks`
+        # but still holding an arena's blocks or a step record's pieces.
+        held = [rows for request in requests
+                for chunks in self._chunks.get(request.program_id, {}).values()
+                for _, rows in chunks if isinstance(rows, PendingRows | RecordedRows)]
+        try:
+            return self._collect(requests, into)
+        except Exception as error:
+            logger.exception("vllm-runner: the saves of %d finished requests could not be "
+                             "collected; those requests fail, their text comes back",
+                             len(requests))
+            why = (f"its saves could not be collected ({type(error).__name__}: {error}); its "
+                   "text is complete. If the host ran out of memory, save fewer values or "
+                   "positions, or give the host more; if not, please report it with the "
+                   "engine's log")
+            for rows in held:
+                rows.release()
+            for request in requests:
+                self.fail(request.program_id, why)
+                self._release(request.program_id)
+            return {request.program_id: {} for request in requests}
+
+    def _collect(self, requests: list[ToCollect], into: Places | None
+                 ) -> dict[str, dict[str, torch.Tensor]]:
+        """`collect` where nothing fails."""
         self.settle()
         mover = host_copies.ToHost(self._staging_buffer)
         # A request with chunks on the host already (spilled) and on a device: all to the host
         # before joining (one tensor cannot join chunks of two devices).
-        for program_id in [request.program_id for request in map(ToCollect._make, requests)
+        for program_id in [request.program_id for request in requests
                            if request.program_id in self._spilled]:
             if program_id in self._device_bytes:  # saved on a device since (maybe zero bytes)
                 self._to_host(program_id, mover)
@@ -421,7 +452,7 @@ class SaveStore:
         waiting: list[tuple[PendingRows, str]] = []
         recorded: list[tuple[RecordedRows, str]] = []
         size = 0
-        for request in map(ToCollect._make, requests):
+        for request in requests:
             mine = []
             mine_recorded = []
             more = 0

@@ -124,7 +124,9 @@ def _encode_result(result: dict[str, Any], views: bool, file: shm_files.SharedFi
     message."""
     saved: dict[str, torch.Tensor] = result["saved"]
     offsets, size = _offsets(saved.values())
-    if file is not None and (file.failed or not all(tensor.is_meta for tensor in saved.values())):
+    # A file with nothing in it: its request's collection failed after the file was made.
+    if file is not None and (file.failed or not saved
+                             or not all(tensor.is_meta for tensor in saved.values())):
         saved = {location: _read_back(file, tensor, offset) for (location, tensor), offset
                  in zip(saved.items(), offsets, strict=True)}
         file.discard()
