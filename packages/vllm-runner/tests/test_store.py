@@ -425,13 +425,18 @@ def test_a_collection_for_another_process_writes_rows_into_files_from_the_stagin
 
 
 @pytest.mark.parametrize("client", ["in-process", "another-process"])
+@pytest.mark.parametrize(("failing", "at_call"), [("gather_together", 2),
+                                                  ("_in_position_order", 1)],
+                         ids=["gathering-the-second-group", "joining-a-requests-first-tap"])
 def test_a_collection_that_fails_halfway_fails_its_requests_and_the_store_goes_on(
-        monkeypatch, client: str) -> None:
+        monkeypatch, client: str, failing: str, at_call: int) -> None:
     """A collection that cannot finish (the host out of memory) used to raise out of the
     worker's call, and the caller lost every request's text, those without programs too. Now
-    each request it was collecting fails naming the cause and comes back with no saves; every
-    row they held is freed, the arena's blocks too, gathered already or not; files made for a
-    client in another process are removed; later requests save and collect as before."""
+    each request it was collecting fails naming the cause (after an earlier failure of its
+    program) and comes back with no saves; every row they held is freed, the arena's blocks
+    too — those of a request taken out of the store when the failure came among them; files
+    made for a client in another process are removed; later requests save and collect as
+    before."""
     import os
 
     from vllm_runner import wire
@@ -440,29 +445,32 @@ def test_a_collection_that_fails_halfway_fails_its_requests_and_the_store_goes_o
     monkeypatch.setattr(host_copies, "STAGING_BYTES", 2 * 2 * 96)  # groups: z and x, then y
     monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
     store, arena = three_requests_over_six_blocks(_DeviceArena(width=2, block_bytes=48))
+    store.fail("x", "an edit was not finite")
     files = wire.SharedFiles() if client == "another-process" else None
-    together, calls = store_module.gather_together, []
+    works, calls = getattr(store_module, failing), []
 
-    def host_full(waiting):
+    def host_full(*args):
         calls.append(1)
-        if len(calls) == 2:  # the first group was gathered and moved
+        if len(calls) == at_call:
             raise MemoryError("host memory exhausted")
-        together(waiting)
+        return works(*args)
 
     with monkeypatch.context() as broken:
-        broken.setattr(store_module, "gather_together", host_full)
+        broken.setattr(store_module, failing, host_full)
         found = store.collect([(key, 12, {"a": None, "b": None}) for key in "zxy"],
                               files.places if files else None)
     assert found == {"z": {}, "x": {}, "y": {}}
-    assert len(calls) == 2 and len(store) == 0 and store.held()["bytes"] == 0
+    assert len(calls) == at_call and len(store) == 0 and store.held()["bytes"] == 0
+    assert not store._axes and not store._fills
     assert arena.blocks == 1  # only the block rows still go into is kept
     for key in "zxy":
         why = store.error(key)
         assert why is not None and "MemoryError: host memory exhausted" in why
         assert "its text is complete" in why
+        assert why.startswith("an edit was not finite; then ") == (key == "x")
     if files is not None:
         made = [file.path for file in files.files.values()]
-        assert made  # z's and x's, written before the failure
+        assert bool(made) == (failing == "gather_together")  # z's and x's, written before
         data = wire.encode({key: {"error": "failed", "saved": {}} for key in "zxy"},
                            files=files)
         assert all(data[key]["segment"] is None for key in "zxy")
@@ -471,6 +479,31 @@ def test_a_collection_that_fails_halfway_fails_its_requests_and_the_store_goes_o
     store.save("w", "a", 0, on_a_device(rows), 1)  # a later request: as before
     assert torch.equal(store.collect([("w", 3, {"a": None})])["w"]["a"], rows)
     assert store.error("w") is None
+
+
+@pytest.mark.parametrize("raised", [MemoryError, KeyboardInterrupt])
+@pytest.mark.parametrize("on_a_gpu", [False, True], ids=["host-arena", "device-arena"])
+def test_a_request_whose_rows_fail_to_join_frees_its_arena_blocks(
+        monkeypatch, on_a_gpu: bool, raised: type[BaseException]) -> None:
+    """The last request holding an arena's blocks fails, or is interrupted, while its rows are
+    put in position order, after the store let go of them: its blocks are freed all the same
+    (they stayed held for the engine's life: 16 MiB or more a tap on a GPU)."""
+    store, arena = three_requests_over_six_blocks(
+        _DeviceArena(width=2, block_bytes=48) if on_a_gpu else None)
+    store.drop(["y", "z"])
+    assert arena.blocks == 6
+
+    def fails(*args):
+        raise raised("host memory exhausted")
+
+    monkeypatch.setattr(store_module, "_in_position_order", fails)
+    if raised is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            store.collect([("x", 12, {"a": None, "b": None})])
+    else:
+        assert store.collect([("x", 12, {"a": None, "b": None})]) == {"x": {}}
+    assert arena.blocks == 1 and len(store) == 0
+    assert not store._axes and not store._fills
 
 
 @settings(deadline=None, max_examples=150)

@@ -264,6 +264,35 @@ def test_a_collection_stopped_by_an_interruption_leaves_no_file(monkeypatch,
     assert not left_behind()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["message", "file"])
+def test_a_request_whose_saves_cannot_be_sent_fails_alone(monkeypatch, shared: bool) -> None:
+    """Encoding one request's saves can fail (the host out of memory for a copy); that request
+    comes back with no saves and the cause after its earlier error, its file removed, and the
+    other requests as they were (before, every request's output was lost)."""
+    monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
+    sent = collected()
+    sent["c"] = {"error": "an edit was not finite", "saved": {"x": torch.randn(1, 6, 3)}}
+    encode_result = wire._encode_result
+
+    def host_full(result, views, file):
+        if "x" in result["saved"]:
+            raise MemoryError("host memory exhausted")
+        return encode_result(result, views, file)
+
+    monkeypatch.setattr(wire, "_encode_result", host_full)
+    data = WorkerRPC.interp_collect(  # type: ignore[arg-type]
+        worker_with("mp", sent), [], True, shm_files.identity() if shared else None)
+    assert data["c"]["saved"] == {} and data["c"]["segment"] is None
+    assert data["c"]["error"].startswith("an edit was not finite; then its saves could not be")
+    assert "MemoryError: host memory exhausted" in data["c"]["error"]
+    assert bool(data["a"]["segment"]) == shared
+    received = wire.decode(through_vllm(through_pickle(data)))
+    for location, tensor in sent["a"]["saved"].items():
+        assert torch.equal(received["a"]["saved"][location], tensor)
+    assert received["b"] == {"error": sent["b"]["error"], "saved": {}}
+    assert not left_behind()
+
+
 def test_saves_go_in_the_message_where_a_file_would_leave_shared_memory_short(
         monkeypatch) -> None:
     room = os.statvfs(shm_files.DIRECTORY)

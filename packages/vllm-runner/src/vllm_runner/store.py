@@ -392,16 +392,12 @@ class SaveStore:
         `wanted[location]` keeps a position or not (`None`: every position).
 
         Where the collection fails (the host out of memory, or a bug), every request of
-        `requests` fails naming the cause, its saves freed, and comes back with none, so the
-        caller still gets every request's text (`SaveStore.error` says why); an interruption
-        (`KeyboardInterrupt`) still goes up.
+        `requests` fails naming the cause (after any failure of its program before), its saves
+        freed, and comes back with none, so the caller still gets every request's text
+        (`SaveStore.error` says why); an interruption (`KeyboardInterrupt`) still goes up.
         """
         requests = [ToCollect._make(request) for request in requests]
-        # Taken before anything moves: a failure halfway leaves some rows out of `_chunks`
-        # but still holding an arena's blocks or a step record's pieces.
-        held = [rows for request in requests
-                for chunks in self._chunks.get(request.program_id, {}).values()
-                for _, rows in chunks if isinstance(rows, PendingRows | RecordedRows)]
+        self.settle()  # outside: a failure there is the device's, and others' checks are in it
         try:
             return self._collect(requests, into)
         except Exception as error:
@@ -412,17 +408,16 @@ class SaveStore:
                    "text is complete. If the host ran out of memory, save fewer values or "
                    "positions, or give the host more; if not, please report it with the "
                    "engine's log")
-            for rows in held:
-                rows.release()
             for request in requests:
-                self.fail(request.program_id, why)
+                before = self._errors.get(request.program_id)
+                self._errors[request.program_id] = (why if before is None
+                                                    else f"{before}; then {why}")
                 self._release(request.program_id)
             return {request.program_id: {} for request in requests}
 
     def _collect(self, requests: list[ToCollect], into: Places | None
                  ) -> dict[str, dict[str, torch.Tensor]]:
-        """`collect` where nothing fails."""
-        self.settle()
+        """`collect` where nothing fails (the store's checks settled)."""
         mover = host_copies.ToHost(self._staging_buffer)
         # A request with chunks on the host already (spilled) and on a device: all to the host
         # before joining (one tensor cannot join chunks of two devices).
@@ -483,15 +478,23 @@ class SaveStore:
         self._forget(program_id)
         self._recording.pop(program_id, None)
         result: dict[str, torch.Tensor] = {}
-        for location, chunks in self._chunks.pop(program_id, {}).items():
-            chunks = _resolved(chunks, location)
-            axis = self._axes.pop((program_id, location), None)
-            fill = self._fills.pop((program_id, location), None)
-            if axis is None:
-                result[location] = chunks[0][1]
-                continue
-            result[location] = _in_position_order(chunks, axis, computed, wanted[location],
-                                                  fill)
+        kept = self._chunks.pop(program_id, {})
+        try:
+            for location, chunks in kept.items():
+                chunks = _resolved(chunks, location)
+                axis = self._axes.pop((program_id, location), None)
+                fill = self._fills.pop((program_id, location), None)
+                if axis is None:
+                    result[location] = chunks[0][1]
+                    continue
+                result[location] = _in_position_order(chunks, axis, computed,
+                                                      wanted[location], fill)
+        except BaseException:
+            # Out of `_chunks` already, so out of `_release`'s reach: freed here (an arena's
+            # blocks would otherwise stay held for good), an interruption's included.
+            self._chunks[program_id] = kept
+            self._release(program_id)
+            raise
         return result
 
     def _forget(self, program_id: str) -> None:

@@ -23,6 +23,7 @@ buffer as they reach the host (one copy in the worker), and the client maps the 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch
 
 from vllm_runner import host_copies, shm_files
 from vllm_runner.host_copies import FileFor
+
+logger = logging.getLogger("vllm.interp")
 
 # One collection: program id -> {"error": str | None, "saved": {location: tensor}}; encoded, each
 # result also names its `"segment"` in shared memory (`[path, bytes]`) or `None`.
@@ -80,15 +83,37 @@ def encode(collected: Collected, views: bool = False, files: SharedFiles | None 
     written as they reached the host (tensors on the meta device stand for them); its
     result names the file in its `"segment"` as `[path, bytes]`, and each tensor travels as
     `[dtype name, shape, offset in the file]`. Where a file's writes failed (shared memory
-    filled up), its request's saves are read back and go inside the message. Every file is
-    removed if encoding fails."""
+    filled up), its request's saves are read back and go inside the message. A request whose
+    saves cannot be encoded (the host out of memory for a copy) comes back with none and the
+    cause in its error, its file removed, the others as they were; every file is removed if
+    encoding is interrupted."""
     files = files or SharedFiles()
     try:
-        return {program_id: _encode_result(result, views, files.files.get(program_id))
+        return {program_id: _encoded_or_failed(program_id, result, views, files)
                 for program_id, result in collected.items()}
     except BaseException:
         files.discard()
         raise
+
+
+def _encoded_or_failed(program_id: str, result: dict[str, Any], views: bool,
+                       files: SharedFiles) -> dict[str, Any]:
+    """`_encode_result`, or where it fails, the request with no saves and the cause added to
+    its error: one request's failure costs the others nothing."""
+    file = files.files.get(program_id)
+    try:
+        return _encode_result(result, views, file)
+    except Exception as error:
+        logger.exception("vllm-runner: the saves of request %s could not be sent", program_id)
+        if file is not None:
+            file.discard()
+        why = (f"its saves could not be sent from the engine ({type(error).__name__}: "
+               f"{error}); its text is complete. If the host ran out of memory, save fewer "
+               "values or positions, or give the host more; if not, please report it with the "
+               "engine's log")
+        before = result["error"]
+        return {"error": why if before is None else f"{before}; then {why}", "segment": None,
+                "saved": {}}
 
 
 def decode(data: Collected) -> Collected:
