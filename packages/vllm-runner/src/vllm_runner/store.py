@@ -405,9 +405,9 @@ class SaveStore:
                              "collected; those requests fail, their text comes back",
                              len(requests))
             why = (f"its saves could not be collected ({type(error).__name__}: {error}); its "
-                   "text is complete. If the host ran out of memory, save fewer values or "
-                   "positions, or give the host more; if not, please report it with the "
-                   "engine's log")
+                   "text is complete. If the host or the GPU ran out of memory (a request's "
+                   "saves are joined on the GPU before they move), save fewer values or "
+                   "positions; if not, please report it with the engine's log")
             for request in requests:
                 before = self._errors.get(request.program_id)
                 self._errors[request.program_id] = (why if before is None
