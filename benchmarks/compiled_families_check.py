@@ -132,14 +132,15 @@ def check_family(case: Any) -> bool:
     # then.
     refused = compiled["refused"]
     forwards = compiled["forwards"]
+    unbroken = forwards["taps"] > 0 and forwards["tap_breaks"] == 0 and breaks_expected()
     same = (eager["tokens"] == compiled["tokens"] and eager["error"] is None
             and compiled["error"] is None and (forwards["eager"] == 0) == (not refused)
-            and (forwards["tap_breaks"] > 0 or forwards["taps"] == 0 or not breaks_expected()))
+            and not unbroken)
     error, where = worst_error(eager, compiled)
     agree = same and error <= TOLERANCES[case.dtype]
     print(f"{case.name} ({case.dtype}): {'ok' if agree else 'DIFFERS'}; worst relative error "
           f"{error:.1e} ({where}); forwards {forwards}", flush=True)
-    if forwards["taps"] and not forwards["tap_breaks"] and breaks_expected():
+    if unbroken:
         print(f"{case.name}: no step replayed the graphs broken at the taps", flush=True)
     if refused:
         print(f"{case.name}: taps refused (their steps ran eager): {', '.join(refused)}",

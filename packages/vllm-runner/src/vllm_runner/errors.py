@@ -40,3 +40,17 @@ class EngineStartError(InterpError, RuntimeError):
 class EngineDied(InterpError, RuntimeError):
     """vLLM's engine process has exited (e.g. Ctrl-C in a terminal reaches it too) or stopped
     answering; this `LLM` cannot be used any more: start a new one."""
+
+
+def saves_lost(how: str, error: BaseException, advice: str) -> str:
+    """Why a request's saves are gone when moving them out of the worker failed (`how`: where
+    they were going): the cause, `advice` for the user, and where to turn if it does not fit;
+    one wording for the store's moves and collections and the wire's encoding."""
+    return (f"its saves could not be {how} ({type(error).__name__}: {error}); {advice}; if "
+            "not, please report it with the engine's log")
+
+
+def after_earlier(earlier: str | None, why: str) -> str:
+    """A request's error once `why` happened too: after the error its program met before, if
+    any, so neither is lost."""
+    return why if earlier is None else f"{earlier}; then {why}"

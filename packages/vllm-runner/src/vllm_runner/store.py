@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from vllm_runner import host_copies
+from vllm_runner.errors import after_earlier, saves_lost
 from vllm_runner.recorded_saves import (
     DeviceBytes,
     GroupRecord,
@@ -344,10 +345,9 @@ class SaveStore:
             logger.exception("vllm-runner: saves could not be moved to the host; the %d "
                              "requests whose saves they were fail", len(moving))
             # Some of their chunks may have moved, some not, one batch half copied: none kept.
-            why = (f"its saves could not be moved from the device to the host past the device "
-                   f"limit ({type(error).__name__}: {error}); if the host ran out of memory, "
-                   "save fewer values or positions or give the host more; if not, please "
-                   "report it with the engine's log")
+            why = saves_lost("moved from the device to the host past the device limit", error,
+                             "if the host ran out of memory, save fewer values or positions or "
+                             "give the host more")
             for program_id in moving:
                 self.fail(program_id, why)
                 self._release(program_id)
@@ -404,14 +404,13 @@ class SaveStore:
             logger.exception("vllm-runner: the saves of %d finished requests could not be "
                              "collected; those requests fail, their text comes back",
                              len(requests))
-            why = (f"its saves could not be collected ({type(error).__name__}: {error}); its "
-                   "text is complete. If the host or the GPU ran out of memory (a request's "
-                   "saves are joined on the GPU before they move), save fewer values or "
-                   "positions; if not, please report it with the engine's log")
+            why = saves_lost("collected", error,
+                             "its text is complete. If the host or the GPU ran out of memory (a "
+                             "request's saves are joined on the GPU before they move), save "
+                             "fewer values or positions")
             for request in requests:
-                before = self._errors.get(request.program_id)
-                self._errors[request.program_id] = (why if before is None
-                                                    else f"{before}; then {why}")
+                self._errors[request.program_id] = after_earlier(
+                    self._errors.get(request.program_id), why)
                 self._release(request.program_id)
             return {request.program_id: {} for request in requests}
 

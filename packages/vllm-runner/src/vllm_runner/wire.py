@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from vllm_runner import host_copies, shm_files
+from vllm_runner.errors import after_earlier, saves_lost
 from vllm_runner.host_copies import FileFor
 
 logger = logging.getLogger("vllm.interp")
@@ -107,13 +108,10 @@ def _encoded_or_failed(program_id: str, result: dict[str, Any], views: bool,
         logger.exception("vllm-runner: the saves of request %s could not be sent", program_id)
         if file is not None:
             file.discard()
-        why = (f"its saves could not be sent from the engine ({type(error).__name__}: "
-               f"{error}); its text is complete. If the host ran out of memory, save fewer "
-               "values or positions, or give the host more; if not, please report it with the "
-               "engine's log")
-        before = result["error"]
-        return {"error": why if before is None else f"{before}; then {why}", "segment": None,
-                "saved": {}}
+        why = saves_lost("sent from the engine", error,
+                         "its text is complete. If the host ran out of memory, save fewer values "
+                         "or positions, or give the host more")
+        return {"error": after_earlier(result["error"], why), "segment": None, "saved": {}}
 
 
 def decode(data: Collected) -> Collected:
