@@ -105,18 +105,29 @@ def test_edit_equals_transformers_by_hand(llm, reference, name) -> None:
     assert plain_logprobs != chosen, "the edit had no effect"
 
 
-def test_a_value_sized_for_two_rows_does_not_fit_two_requests_edited_together(llm) -> None:
-    """Two one-token prompts share a step as two adjacent rows; a `Set` value of two rows
-    fits that run but neither request's own single row: each request fails alone, as it
-    would if it ran alone, instead of each getting one of the two rows."""
+def test_a_value_of_two_rows_gives_each_request_its_own_positions_row(llm) -> None:
+    """Two one-token prompts share a step as two adjacent rows; a `Set` value of two rows is a
+    value per position (rows for positions 0 and 1), so each request gets row 0 at its own
+    position 0 — never one of the two rows each because they happen to sit side by side."""
     rows = torch.randn(2, 128, generator=torch.Generator().manual_seed(2))
     outputs = llm.generate([TokensPrompt(prompt_token_ids=[5]), TokensPrompt(prompt_token_ids=[9])],
                            SamplingParams(max_tokens=1, temperature=0.0),
-                           interventions=[[ops.Set("layers.0.layer_output", rows)]] * 2,
+                           interventions=[[ops.Set("layers.0.layer_output", rows),
+                                           ops.Save("layers.0.layer_output")]] * 2,
                            use_tqdm=False)
-    assert all(output.error is not None and "set at layers.0.layer_output" in output.error
-               and "has shape (2, 128), which does not broadcast over the value" in output.error
-               for output in outputs), [output.error for output in outputs]
+    for output in outputs:
+        assert output.error is None, output.error
+        assert torch.equal(output.saved["layers.0.layer_output"], rows[:1].unsqueeze(0))
+
+
+def test_a_value_that_fits_no_row_is_refused_naming_its_shape(llm) -> None:
+    """A `Set` value whose last axis is not the value's fails its request with the shapes."""
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
+                           SamplingParams(max_tokens=1, temperature=0.0),
+                           interventions=[ops.Set("layers.0.layer_output", torch.zeros(2, 127))],
+                           use_tqdm=False)
+    assert outputs[0].error is not None and "set at layers.0.layer_output" in outputs[0].error
+    assert "has shape (2, 127), which does not broadcast over the value" in outputs[0].error
 
 
 def test_skip_makes_a_layer_pass_its_input_through_for_one_request(llm, reference) -> None:

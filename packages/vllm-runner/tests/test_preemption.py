@@ -35,7 +35,8 @@ Scheduler._preempt_request = counting
 if __name__ == "__main__":
     # 4 blocks of 32 tokens (vLLM can use 3): three 30-token prompts take one block each, then
     # each needs a second block while decoding, and there is none: vLLM preempts.
-    steered = len(sys.argv) > 3  # compiled, steering from the tap's buffers
+    patched = sys.argv[3:4] == ["patched"]  # eager, a vector per position
+    steered = len(sys.argv) > 3 and not patched  # compiled, steering from the tap's buffers
     compiled = ({"enforce_eager": False, "graph_taps": ["layers.1.layer_output"]} if steered
                 else {"enforce_eager": True})
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32",
@@ -44,6 +45,18 @@ if __name__ == "__main__":
               num_gpu_blocks_override=4, enable_prefix_caching=False, seed=0, **compiled)
     prompts = json.loads(sys.argv[2])
     params = SamplingParams(max_tokens=16, temperature=0.0)
+    if patched:
+        rows = torch.tensor(json.loads(sys.argv[4])).unsqueeze(0)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               interventions=[[ops.Add("layers.1.layer_output", rows),
+                                               ops.Save("logits")], [], [ops.Save("logits")]],
+                               use_tqdm=False)
+        print("RESULT", json.dumps({"preempted": len(PREEMPTED), "outputs": [
+            {"tokens": list(o.outputs[0].token_ids), "error": o.error,
+             "logits": o.saved["logits"].flatten().tolist() if o.saved else None}
+            for o in outputs]}))
+        sys.exit(0)
     if steered:
         add = [ops.Add("layers.1.layer_output", torch.tensor(json.loads(sys.argv[3])))]
         ablate = [ops.ProjectOut("layers.1.layer_output", torch.tensor(json.loads(sys.argv[4])))]
@@ -94,6 +107,26 @@ def test_steering_and_ablation_from_a_compiled_graph_survive_preemption(
         assert tokens == steered_greedy(reference, prompt, 16, edit, ablated), f"request {index}"
     assert result["tokens"][2] != steered_greedy(reference, PROMPTS[2], 16, None), \
         "the ablation changes nothing here: the test proves nothing about it"
+
+
+def test_a_per_position_patch_survives_preemption(model_dir: str, reference) -> None:
+    """Issue [Q]: an `Add` with one row per position — the prompt's and the first generated
+    tokens' — on a request that vLLM preempts and recomputes from position 0: each row lands at
+    its position again, and the logits equal transformers' with the same rows added."""
+    from test_patching import oracle_logits
+
+    rows = torch.randn(len(PROMPTS[0]) + 8, 128, generator=torch.Generator().manual_seed(5))
+    result = preempted_run(model_dir, "patched", json.dumps(rows.tolist()))
+    patched = result["outputs"][0]
+    assert patched["error"] is None
+    sequence = PROMPTS[0] + patched["tokens"][:-1]
+    expected = oracle_logits(reference, sequence, "layers.1.layer_output",
+                             dict(enumerate(rows)), add=True)[len(PROMPTS[0]) - 1:]
+    saved = torch.tensor(patched["logits"]).reshape(expected.shape)
+    assert (saved - expected).abs().max() <= 1e-4
+    assert patched["tokens"] == expected.argmax(-1).tolist()
+    plain = oracle_logits(reference, sequence, "layers.1.layer_output", {})[len(PROMPTS[0]) - 1:]
+    assert (saved - plain).abs().max() > 1e-2, "the patch changed nothing: the test proves nothing"
 
 
 def test_saves_survive_preemption(model_dir: str, reference) -> None:

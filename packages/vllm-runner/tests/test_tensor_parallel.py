@@ -35,6 +35,10 @@ from vllm_runner import ops
 torch.manual_seed(1)
 queries_shift = torch.randn(32) * 0.5       # per head dimension, every head
 keys_shift = torch.randn(2, 1, 32) * 0.5    # per KV head: one KV head per rank at TP=2
+# One row per position (issue [Q]'s patching): matched to the 11-token prompt's positions
+# whichever rank's piece and whichever chunk of the prompt they fall in.
+values_per_position = torch.randn(1, 2, 11, 32) * 0.5  # kv_heads tokens head_dim
+neurons_per_position = torch.randn(1, 11, 256) * 0.3   # tokens intermediate
 
 def halve_last_head(queries, ctx):
     queries[:, -1] *= 0.5                   # an in-place edit of a sharded value
@@ -47,7 +51,9 @@ EDITS = [
     [ops.Add("layers.0.attention_queries", queries_shift),
      ops.Add("layers.1.attention_keys", keys_shift)],
     [ops.Zero("layers.1.attention_head_outputs", heads=[0, 3]),
-     ops.Scale("layers.2.mlp_neurons", 1.5)],
+     ops.Scale("layers.2.mlp_neurons", 1.5),
+     ops.Set("layers.0.attention_values", values_per_position, steps="prefill"),
+     ops.Add("layers.1.mlp_neurons", neurons_per_position)],
     [ops.Set("layers.0.attention_values", torch.zeros(1, 2, 1, 32), positions=(1,)),
      ops.Call("layers.2.attention_queries", halve_last_head)],
 ]

@@ -39,6 +39,7 @@ from vllm_runner.op_data import (
     tensor_from_data,
     tensor_to_data,
 )
+from vllm_runner.per_position import named_positions, operand_at, rows_axis, uncovered
 
 if TYPE_CHECKING:
     from vllm_runner.serving import Visit
@@ -312,35 +313,91 @@ class EditOp(RowOp):
     """An op that computes a new value from the value as read, on the rows it keeps."""
 
     together = True
+    #: The field of a tensor that may hold one row per position (`Add.vector`, `Set.value`:
+    #: `per_position`), or `None` for an op without one.
+    OPERAND: ClassVar[str | None] = None
+
+    @property
+    def operand(self) -> torch.Tensor | None:
+        """The op's tensor that may hold one row per position, if it has one."""
+        return None if self.OPERAND is None else getattr(self, self.OPERAND)
+
+    @property
+    def operand_name(self) -> str:
+        """How errors name the operand: `Set's value`."""
+        return f"{type(self).__name__}'s {self.OPERAND}"
 
     def shares_rows(self) -> bool:
         """Edits are served together with `positions` and `steps` too: the rows they do not
         keep are written back as read (`kept_rows`)."""
         return True
 
-    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
-        """The value after the edit, on every row; `layout` names the value's axes."""
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...],
+               operand: torch.Tensor | None = None) -> torch.Tensor:
+        """The value after the edit, on every row; `layout` names the value's axes, `operand`
+        stands for the op's tensor (`OPERAND`) where given: a per-position tensor's rows for
+        the rows of `current`."""
         raise NotImplementedError(type(self).__name__)
 
     def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
         """Whether the edit is the same for every row (its tensor, if any, does not extend
         along the tokens axis): only then is editing many requests' rows at once the same as
-        editing each request's (a `[tokens, hidden]` value sized for one request must fail
-        alone, not fit two requests by chance)."""
-        return True
+        editing each request's (a per-position tensor is matched to each request's own
+        positions: `per_position`)."""
+        operand = self.operand
+        return operand is None or rows_axis(operand, current.dim(), token_axis) is None
+
+    def position_misfit(self, prompt_length: int, layout: tuple[str, ...],
+                        token_axis: int | None) -> str | None:
+        """Why the op's per-position tensor can never serve a `positions=` entry on a prompt of
+        `prompt_length` tokens at a value of axes `layout` (it has no row for it), or `None`:
+        known before the request runs."""
+        operand = self.operand
+        if operand is None or token_axis is None:
+            return None
+        missing = uncovered(operand, len(layout), token_axis, self.positions, prompt_length)
+        if not missing:
+            return None
+        rows = operand.shape[rows_axis(operand, len(layout), token_axis) or 0]
+        return (f"{self.kind} at {self.location}: its {self.OPERAND} has {rows} rows along "
+                f"[{' '.join(layout)}]'s tokens axis, one per position, but positions names "
+                f"{len(named_positions(self.positions, prompt_length) or ())} positions and "
+                f"{missing} are not among 0..{rows - 1}; give one row per position named (in "
+                f"increasing order, as Save(positions=...) returns them), or rows for every "
+                f"position from 0")
 
     def serve(self, visit: Visit) -> None:
         """Edit the request's rows it keeps and write them back; a non-finite result fails the
         request and is not written (`Visit.write_if_finite`: the host does not wait for the
-        device's answer)."""
+        device's answer). A step where the op keeps no row is not read at all (a prompt-only
+        patch at a decode step), and a per-position tensor gives each row its own position's
+        row (`per_position`)."""
+        span, axis = visit.want.span, visit.token_axis
+        prompt_length = visit.want.step.prompt_length
+        if axis is not None and self.filtered and not self.kept_runs(
+                span.first_position, len(span), prompt_length):
+            return
         current = visit.read()
-        edited = self.edited(current, visit.value.eproperty.layout)
-        axis = visit.token_axis
-        if axis is not None and self.filtered:
-            positions = visit.want.span.first_position + torch.arange(current.shape[axis])
-            keep = self.kept_rows(positions, torch.full_like(positions,
-                                                             visit.want.step.prompt_length))
-            edited = with_rows_kept(edited, current, keep, axis)
+        operand, keep = self.operand, None
+        positions = None
+        if axis is not None:
+            positions = span.first_position + torch.arange(current.shape[axis])
+            if operand is not None and (rows := rows_axis(operand, current.dim(), axis)) \
+                    is not None:
+                # The axes beside the tokens axis are checked as given, naming its shape.
+                _fitted(operand.narrow(rows, 0, 1), current.narrow(axis, 0, 1),
+                        visit.value.eproperty.layout, self.operand_name,
+                        (tuple(operand.shape), tuple(current.shape)))
+                operand, keep = operand_at(operand, rows, positions, self.positions,
+                                           prompt_length)
+                if not bool(keep.any()):
+                    return  # no row of this step has a row of the tensor
+        edited = self.edited(current, visit.value.eproperty.layout, operand)
+        if positions is not None and self.filtered:
+            kept = self.kept_rows(positions, torch.full_like(positions, prompt_length))
+            keep = kept if keep is None else keep & kept
+        if keep is not None:
+            edited = with_rows_kept(edited, current, keep, axis)  # type: ignore[arg-type]
         visit.write_if_finite(edited, f"the {self.kind}")
 
 
@@ -355,26 +412,23 @@ def with_rows_kept(edited: torch.Tensor, current: torch.Tensor, keep: torch.Tens
 
 
 def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...],
-            what: str) -> torch.Tensor:
+            what: str, shown: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+            ) -> torch.Tensor:
     """`tensor` if it broadcasts over the value as read, else an error that says which shape
-    would (the value's layout and this step's shape)."""
+    would (the value's layout and this step's shape; `shown`: the shapes to name instead, the
+    tensor's as given and the step's, where a piece of each is checked)."""
     try:
         fits = torch.broadcast_shapes(tuple(tensor.shape), tuple(current.shape)) == current.shape
     except RuntimeError:
         fits = False
-    if not fits:  # e.g. two rows for a request that has one this step
+    if not fits:  # e.g. a last axis that is not the value's
+        given, step = shown or (tuple(tensor.shape), tuple(current.shape))
         raise ValueError(
-            f"{what} has shape {tuple(tensor.shape)}, which does not broadcast over the value "
-            f"[{' '.join(layout)}] (this step: {tuple(current.shape)}); e.g. give "
-            f"[{current.shape[-1]}] for a vector along its last axis")
+            f"{what} has shape {given}, which does not broadcast over the value "
+            f"[{' '.join(layout)}] (this step: {step}); e.g. give "
+            f"[{step[-1]}] for a vector along its last axis, or [1, positions, {step[-1]}] "
+            f"for one row per position")
     return tensor
-
-
-def _constant_along_tokens(tensor: torch.Tensor, current: torch.Tensor, token_axis: int) -> bool:
-    """Whether `tensor`, broadcast over `current`, has no extent along the tokens axis."""
-    shape = tensor.shape
-    reach = current.dim() - token_axis  # axes from the right, up to the tokens axis
-    return len(shape) < reach or shape[len(shape) - reach] == 1
 
 
 @dataclass(frozen=True)
@@ -382,10 +436,14 @@ class Add(EditOp):
     """Add `scale * vector` to the value at `location`, on this request's rows only (steering).
 
     `vector` broadcasts over the value's layout (e.g. `[hidden]` for `layer_output`). `positions`
-    and `steps` limit where it is added, as for `Save`.
+    and `steps` limit where it is added, as for `Save`. A vector with one row per position
+    (`[1, positions, hidden]`) adds row `p` at absolute position `p`, or, with `positions=`
+    naming as many positions as it has rows, its rows at those positions in increasing order
+    (`vllm_runner.per_position`); positions it has no row for are left as they are.
     """
 
     kind = "add"
+    OPERAND = "vector"
 
     vector: torch.Tensor = field(repr=False)
     scale: float = 1.0
@@ -403,22 +461,27 @@ class Add(EditOp):
         """`scale` as a float (numpy numbers do not travel)."""
         return {**fields, "scale": float(self.scale)}
 
-    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...],
+               operand: torch.Tensor | None = None) -> torch.Tensor:
         """`current + scale * vector`."""
-        vector = _fitted(self.vector, current, layout, "Add's vector")
+        vector = _fitted(self.vector if operand is None else operand, current, layout,
+                         self.operand_name)
         return current + vector.to(current.device, current.dtype, non_blocking=True) * self.scale
-
-    def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
-        """Whether the vector has no extent along the tokens axis."""
-        return _constant_along_tokens(self.vector, current, token_axis)
 
 
 @dataclass(frozen=True)
 class Set(EditOp):
     """Replace the value at `location` with `value` (broadcast over its layout) on this request's
-    rows, e.g. a patched activation taken from another run."""
+    rows, e.g. a patched activation taken from another run.
+
+    A value with one row per position — a `Save`'s `[1, positions, hidden]` — is its exact
+    inverse: row `p` goes to absolute position `p` (or, with `positions=` naming as many
+    positions as it has rows, to those positions in increasing order), at whichever step that
+    position runs, however vLLM chunks the prompt; positions it has no row for are left as they
+    are (`vllm_runner.per_position`)."""
 
     kind = "set"
+    OPERAND = "value"
 
     value: torch.Tensor = field(repr=False)
 
@@ -426,14 +489,12 @@ class Set(EditOp):
         check_tensor(self, "value")
         super().__post_init__()
 
-    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...],
+               operand: torch.Tensor | None = None) -> torch.Tensor:
         """`value`, broadcast over the rows."""
-        value = _fitted(self.value, current, layout, "Set's value")
+        value = _fitted(self.value if operand is None else operand, current, layout,
+                        self.operand_name)
         return value.to(current.device, current.dtype, non_blocking=True).expand_as(current).clone()
-
-    def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
-        """Whether the value has no extent along the tokens axis."""
-        return _constant_along_tokens(self.value, current, token_axis)
 
 
 @dataclass(frozen=True)
@@ -452,7 +513,8 @@ class Scale(EditOp):
         """`factor` as a float (numpy numbers do not travel)."""
         return {**fields, "factor": float(self.factor)}
 
-    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...],
+               operand: torch.Tensor | None = None) -> torch.Tensor:
         """`current * factor`."""
         return current * self.factor
 
@@ -470,7 +532,8 @@ class Zero(EditOp):
         super().__post_init__()
         check_whole_numbers(self, "heads", "head indices")
 
-    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...],
+               operand: torch.Tensor | None = None) -> torch.Tensor:
         """Zeros, on every head or on `heads` only."""
         edited = current.clone()
         if self.heads is None:
@@ -499,7 +562,8 @@ class ProjectOut(EditOp):
             raise ValueError(f"{op_name(self)}: direction is a zero vector; there is no "
                              "component to remove")
 
-    def edited(self, current: torch.Tensor, layout: tuple[str, ...]) -> torch.Tensor:
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...],
+               operand: torch.Tensor | None = None) -> torch.Tensor:
         """`current` less its component along the unit direction (normalised in float32, as the
         graph's ablation does: in float16 a direction's norm can overflow)."""
         direction = self.direction.to(current.device, torch.float32, non_blocking=True)

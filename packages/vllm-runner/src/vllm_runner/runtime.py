@@ -25,10 +25,10 @@ from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_g
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
 from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
-from vllm_runner.ops import Op
+from vllm_runner.ops import EditOp, Op
 from vllm_runner.program import Program, ProgramCache, ProgramData
 from vllm_runner.repeated_saves import RepeatedSaves
-from vllm_runner.serving import OpGroup, Services, Visits, serve
+from vllm_runner.serving import OpGroup, Services, Visits, serve, token_axis_of
 from vllm_runner.settings import read_mode
 from vllm_runner.sharded import ShardedValues
 from vllm_runner.step_plan import (
@@ -280,10 +280,29 @@ class Runtime:
                                         f"{type(error).__name__}: {error}")
             return None
         self._checked[program_id] = program
-        if (problem := program.before_the_prompt(prompt_length)) is not None:
+        if (problem := program.before_the_prompt(prompt_length)
+                or self._position_misfit(program, prompt_length)) is not None:
             self.store.fail(program_id, problem)
             return None
         return program
+
+    def _position_misfit(self, program: Program, prompt_length: int) -> str | None:
+        """Why an edit's per-position tensor has no row for a position its `positions=` names
+        on this prompt (`EditOp.position_misfit`), or `None`; before the request runs."""
+        for op in program.ops:
+            if not isinstance(op, EditOp) or op.operand is None or op.positions is None:
+                continue
+            try:
+                locations = self.locations_of(op)
+            except LocationError:
+                continue  # refused where the location is served (`never_ran`)
+            for location in locations:
+                value = self.values[location]
+                problem = op.position_misfit(prompt_length, value.eproperty.layout,
+                                             token_axis_of(value))
+                if problem is not None:
+                    return problem
+        return None
 
     def note_edits(self) -> None:
         """Mark this step as running a program that edits, as `program` does for each request
