@@ -47,9 +47,25 @@ class AsyncLLM:
         model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps,
                                graph_taps)
         chosen = choose_defaults(model, engine, current_platform.is_cpu())
+        self._default_interventions: tuple[Op, ...] = ()
         self.engine = VllmAsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine))
         if chosen:
             logger.info(chosen)
+
+    @property
+    def default_interventions(self) -> list[Op]:
+        """The program a `generate` call runs when it gives no `interventions` (as
+        `LLM.default_interventions`; `interventions=[]` runs none). Set it at any time; an
+        unknown location in it is refused by the next `generate` that runs it (resolving
+        needs the engine, which a property cannot wait for)."""
+        return list(self._default_interventions)
+
+    @default_interventions.setter
+    def default_interventions(self, ops: Sequence[Op]) -> None:
+        if not all(isinstance(op, Op) for op in ops):
+            raise TypeError("default_interventions takes a list of ops (vllm_runner.ops), "
+                            f"not {[type(op).__name__ for op in ops]}")
+        self._default_interventions = tuple(ops)
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is vLLM's `AsyncLLM`'s (`abort`, `shutdown`, `get_tokenizer`, ...)."""
@@ -72,7 +88,10 @@ class AsyncLLM:
                        *, interventions: Sequence[Op] | None = None,
                        **kwargs: Any) -> AsyncGenerator[Any, None]:
         """vLLM's `AsyncLLM.generate`, running `interventions` on this request; every output
-        has `saved` and `error` (filled on the last one)."""
+        has `saved` and `error` (filled on the last one); without `interventions`, the
+        `default_interventions`."""
+        if interventions is None:
+            interventions = self._default_interventions
         if not interventions:
             async for output in self.engine.generate(prompt, sampling_params, request_id,
                                                      **kwargs):

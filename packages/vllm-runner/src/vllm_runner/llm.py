@@ -202,6 +202,7 @@ class LLM:
         values whole on every rank qualify (others are refused by name, as bad taps are).
         """
         self._gone: str | None = None  # why the engine cannot be used any more, once known
+        self._default_interventions: tuple[Op, ...] = ()
         model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps,
                                graph_taps)
         from vllm.platforms import current_platform
@@ -224,6 +225,32 @@ class LLM:
         """Ours and vLLM's names, so completion shows what `__getattr__` reaches."""
         engine = self.__dict__.get("engine")
         return sorted(set(super().__dir__()) | set(dir(engine) if engine is not None else ()))
+
+    @property
+    def default_interventions(self) -> list[Op]:
+        """The program requests run when a call gives no `interventions` (vllm-lens' persistent
+        hooks, nnsight's `edit()`, the server's `--interp-default`); empty by default.
+
+        Set it to a list of ops at any time: it is checked as a call's program is (an unknown
+        location is refused at once) and applies to later calls of `generate`, `chat` and
+        `trace` that name no `interventions`; a call's own `interventions` replace it for that
+        call, and `interventions=[]` runs none. `llm.default_interventions = []` removes it."""
+        return list(self._default_interventions)
+
+    @default_interventions.setter
+    def default_interventions(self, ops: Sequence[Op]) -> None:
+        program = self._programs(list(ops), 1)[0] if ops else []
+        if not all(isinstance(op, Op) for op in program):
+            raise TypeError("default_interventions takes a list of ops (vllm_runner.ops), "
+                            f"not {[type(op).__name__ for op in program]}")
+        self._check_programs([program])
+        self._default_interventions = tuple(program)
+
+    def _or_default(self, interventions: Any) -> Any:
+        """A call's `interventions`, or the default program where it gave none (`None`)."""
+        if interventions is None and self._default_interventions:
+            return list(self._default_interventions)
+        return interventions
 
     @property
     def hidden_size(self) -> int:
@@ -285,10 +312,15 @@ class LLM:
         """One request in nnsight's style: ops written on `t.model` inside a `with` block run
         when it ends (see `vllm_runner.trace`). `sampling` builds the `SamplingParams` when none
         are given, e.g. `llm.trace(prompt, max_tokens=8, temperature=0.0)`, over the model's
-        defaults (its generation config, as `vllm.LLM.generate` uses them)."""
+        defaults (its generation config, as `vllm.LLM.generate` uses them);
+        `max_new_tokens=` (nnsight's and transformers' name) is taken as `max_tokens`."""
         if sampling_params is not None and sampling:
             raise TypeError(f"pass sampling_params or sampling keywords ({', '.join(sampling)}), "
                             "not both")
+        if "max_new_tokens" in sampling:  # nnsight's and transformers' name for it
+            if "max_tokens" in sampling:
+                raise TypeError("pass max_tokens or max_new_tokens (the same thing), not both")
+            sampling["max_tokens"] = sampling.pop("max_new_tokens")
         if sampling_params is None:
             self.engine.get_default_sampling_params()  # reads the model's once, and keeps them
             sampling_params = SamplingParams(**{**(self.engine.default_sampling_params or {}),
@@ -323,7 +355,7 @@ class LLM:
             sampling_params = self.engine.get_default_sampling_params()
         single = isinstance(prompts, (str, dict)) or _is_token_ids(prompts)
         prompt_list = [prompts] if single else list(prompts)
-        programs = self._programs(interventions, len(prompt_list))
+        programs = self._programs(self._or_default(interventions), len(prompt_list))
         self._check_programs(programs)
         requests: list[dict[str, Any]] = []
         params: list[SamplingParams] = []
@@ -412,6 +444,7 @@ class LLM:
         template_options = {"chat_template": chat_template, "tools": tools,
                             "add_generation_prompt": add_generation_prompt,
                             "continue_final_message": continue_final_message}
+        interventions = self._or_default(interventions)
         if not interventions:
             outputs = self.engine.chat(messages, sampling_params,
                                        chat_template_kwargs=chat_template_kwargs,

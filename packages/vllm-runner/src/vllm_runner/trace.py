@@ -146,8 +146,10 @@ class Trace:
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
         if kind is not None:
             return  # the block failed: run nothing, let its exception through
+        # The engine's default program first (nnsight's `edit()`), then the block's ops.
+        program = [*getattr(self._llm, "default_interventions", ()), *self._ops]
         (self.output,) = self._llm.generate([self._prompt], self._params,
-                                            interventions=[self._ops], use_tqdm=False)
+                                            interventions=[program], use_tqdm=False)
         if self.output.error is not None:
             raise InterventionError(self.output.error)
         resolved = self._llm.resolve([saved.pattern for saved in self._saves])
