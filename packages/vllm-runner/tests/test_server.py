@@ -154,6 +154,25 @@ def test_steering_over_http_changes_the_completion_exactly_as_offline(client, ll
         steered.choices[0].model_extra["token_ids"]
 
 
+def test_a_probe_over_http_returns_the_offline_scores(client, llm) -> None:
+    """Issue [Q]: `Probe` is plain data, so the server takes it with no code allowed; its
+    per-token scores come back on the choice equal to the offline engine's."""
+    weight = torch.randn(2, 128, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(2, generator=torch.Generator().manual_seed(5))
+    response = _complete(client, [{"op": "probe", "location": "layers.1.layer_output",
+                                   "weight": tensor_to_json(weight), "bias": bias.tolist(),
+                                   "name": "sentiment"},
+                                  {"op": "probe", "location": "layers.*.layer_output",
+                                   "weight": weight[0].tolist(), "positions": [-1]}])
+    offline = _offline(llm, [ops.Probe("layers.1.layer_output", weight, bias, name="sentiment"),
+                             ops.Probe("layers.*.layer_output", weight[0], positions=(-1,))])
+    saves = _saves(response.choices[0])
+    assert saves.keys() == offline.saved.keys()
+    assert saves["layers.1.layer_output.sentiment"].shape == (1, len(PROMPT) + TOKENS - 1, 2)
+    for name, tensor in offline.saved.items():
+        assert same_values(saves[name], tensor), name
+
+
 def test_a_plain_request_is_served_as_vllm_serves_it(client, llm) -> None:
     response = _complete(client, None)
     assert "interp" not in (response.choices[0].model_extra or {})

@@ -54,6 +54,11 @@ def _tensor_fields(op_class: type[Op]) -> set[str]:
             if "Tensor" in str(item.type)}
 
 
+def _optional(op_class: type[Op], name: str) -> bool:
+    """Whether the op's field `name` may be left out as `null` (`Probe.bias`)."""
+    return any(item.name == name and item.default is None for item in dataclasses.fields(op_class))
+
+
 def tensor_from_json(value: Any, field: str, vectors: VectorLookup) -> torch.Tensor:
     """A tensor sent as a list of numbers, as base64 bytes with dtype and shape, or by name."""
     if isinstance(value, list):
@@ -149,7 +154,8 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
         if name == TAG:
             continue
         if name in tensors:
-            fields[name] = tensor_from_json(value, f"{field}.{name}", vectors)
+            fields[name] = None if value is None and _optional(op_class, name) else \
+                tensor_from_json(value, f"{field}.{name}", vectors)
         elif kind in CODE_OPS and name == "fn":
             fields[name] = _function_bytes(value, f"{field}.fn")
         elif isinstance(value, list):
@@ -207,6 +213,8 @@ def _field_schema(type_name: str) -> dict[str, Any]:
         "bool": {"type": "boolean"},
         "int": {"type": "integer", "minimum": 1},
         "torch.Tensor": {"$ref": "#/$defs/tensor"},
+        "torch.Tensor | None": {"anyOf": [{"$ref": "#/$defs/tensor"}, {"type": "null"}]},
+        "str | None": {"anyOf": [{"type": "string", "pattern": r"^\w+$"}, {"type": "null"}]},
         "tuple[int, ...] | None": {"anyOf": [whole_numbers, {"type": "null"}]},
         "Steps": {"enum": list(STEPS)},
         "ReadMode | None": {"anyOf": [{"enum": list(READ_MODES)}, {"type": "null"}]},

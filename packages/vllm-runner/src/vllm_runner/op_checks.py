@@ -71,6 +71,18 @@ def check_tensor(op: Any, field_name: str) -> None:
                              "it normalised from a zero vector?")
 
 
+def check_result_name(op: Any, field_name: str) -> None:
+    """Refuse a result's name that is not a plain name (it becomes part of a saved key:
+    `f"{location}.{name}"`); `None` (no result) passes."""
+    name = getattr(op, field_name)
+    if name is None:
+        return
+    if not isinstance(name, str) or not name or not name.replace("_", "a").isalnum():
+        raise ValueError(f"{op_name(op)}: {field_name}={name!r} must be a name of letters, "
+                         "digits and underscores, e.g. 'probe' (it becomes part of the saved "
+                         "key: '<location>.<name>')")
+
+
 def check_number(op: Any, field_name: str) -> None:
     """Refuse a scale or factor that is not a finite real number."""
     number = getattr(op, field_name)

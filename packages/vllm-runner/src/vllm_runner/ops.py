@@ -25,6 +25,7 @@ from vllm_runner.op_checks import (
     STEPS,
     Steps,
     check_number,
+    check_result_name,
     check_tensor,
     check_where,
     check_whole_numbers,
@@ -45,8 +46,9 @@ if TYPE_CHECKING:
     from vllm_runner.serving import Visit
 
 # `tensor_to_data`/`tensor_from_data` were defined here before `op_data`; kept importable.
-__all__ = ["STEPS", "Add", "Call", "CallContext", "Lens", "Op", "ProjectOut", "Save", "Scale",
-           "Set", "Skip", "Steps", "Zero", "op_from_data", "tensor_from_data", "tensor_to_data"]
+__all__ = ["STEPS", "Add", "Call", "CallContext", "Lens", "Op", "Probe", "ProjectOut", "Save",
+           "Scale", "Set", "Skip", "Steps", "Zero", "op_from_data", "tensor_from_data",
+           "tensor_to_data"]
 
 KeepPosition = Callable[[int], bool]
 
@@ -306,6 +308,74 @@ class Lens(RowOp):
         for first, tokens, probabilities in found:
             store.save(program_id, tokens_name, first, tokens, 1)
             store.save(program_id, probs_name, first, probabilities, 1)
+
+
+@dataclass(frozen=True)
+class Probe(RowOp):
+    """A linear probe inside the engine: `value @ weight.T + bias` on each row of the value at
+    `location` (a value with one row per token and the probe's width last, e.g. the residual
+    stream), saved as `saved[f"{location}.{name}"]` — `[1, positions]` for a `[width]` weight,
+    `[1, positions, k]` for a `[k, width]` one — so a score per token leaves the worker
+    instead of the value. Computed in float32; `positions` and `steps` as for `Save`. Plain
+    data, so the server takes it without code.
+    """
+
+    kind = "probe"
+    edits = False
+
+    weight: torch.Tensor = field(repr=False)
+    bias: torch.Tensor | None = field(default=None, repr=False)
+    name: str = "probe"
+
+    def __post_init__(self) -> None:
+        check_tensor(self, "weight")
+        if self.weight.dim() not in (1, 2) or self.weight.shape[-1] == 0:
+            raise ValueError(f"{op_name(self)}: weight has shape {tuple(self.weight.shape)}; "
+                             "give [width] for one score a token, or [k, width] for k")
+        if self.bias is not None:
+            check_tensor(self, "bias")
+            if tuple(self.bias.shape) not in ((), tuple(self.weight.shape[:-1])):
+                raise ValueError(f"{op_name(self)}: bias has shape {tuple(self.bias.shape)}; "
+                                 f"give {list(self.weight.shape[:-1])} (one per score) or a "
+                                 "number")
+        check_result_name(self, "name")
+        super().__post_init__()
+
+    def saved_names(self, location: str) -> tuple[str, ...]:
+        """The scores, under `f"{location}.{name}"`."""
+        return (f"{location}.{self.name}",)
+
+    def scores(self, rows: torch.Tensor) -> torch.Tensor:
+        """The probe's scores of `rows` (`[1, tokens, width]`), in float32."""
+        if rows.dim() != 3 or rows.shape[-1] != self.weight.shape[-1]:
+            raise ValueError(f"the probe's weight is {list(self.weight.shape)}, for a value "
+                             f"[1, tokens, {self.weight.shape[-1]}]; this one is "
+                             f"{list(rows.shape)}: give a weight whose last axis is the "
+                             "value's width, at a value with one row per token")
+        weight = self.weight.to(rows.device, torch.float32, non_blocking=True)
+        scores = rows.float() @ (weight if weight.dim() == 1 else weight.T)
+        if self.bias is not None:
+            scores = scores + self.bias.to(rows.device, torch.float32, non_blocking=True)
+        return scores
+
+    def serve(self, visit: Visit) -> None:
+        """Score the rows the op keeps and save the scores (rank 0 keeps them)."""
+        if visit.token_axis != 1:
+            layout = " ".join(visit.value.eproperty.layout)
+            raise ValueError(f"a probe needs a value with one row per token along its second "
+                             f"axis; {visit.location} is [{layout}]")
+        found = [(first, self.scores(rows)) for first, rows in self.kept_reads(visit)]
+        if not visit.services.keeps_saves:
+            return
+        name = self.saved_names(visit.location)[0]
+        store, program_id = visit.services.store, visit.want.program_id
+        if not found:  # nothing kept this step: saved once with no rows, as `Save` does
+            if store.has_saves(program_id, name):
+                return
+            empty = torch.empty(1, 0, *self.weight.shape[:-1], device=visit.device)
+            found.append((visit.want.span.first_position, empty))
+        for first, scores in found:
+            store.save(program_id, name, first, scores, 1)
 
 
 @dataclass(frozen=True)
@@ -676,6 +746,14 @@ class Call(Op):
     finite, the requests are run again one by one, so that only those at fault fail (the
     function then runs twice on their rows). Values that are not row by row (attention
     patterns) are always served per request.
+
+    `saves="name"` makes the function's return value a result to keep rather than a
+    replacement: a tensor `[1, rows, ...]` (one row per row it was handed: `ctx.positions`)
+    lands in `outputs[i].saved[f"{location}.{name}"]` as a `Save` would keep it — concatenated
+    over steps in position order — and a dict of such tensors under
+    `f"{location}.{name}.{key}"` (a probe's score per token moves a few bytes instead of the
+    residual). In-place edits of the value still land; returning `None` keeps nothing that
+    step. Such calls are served request by request.
     """
 
     kind = "call"
@@ -683,16 +761,23 @@ class Call(Op):
     fn: Any = field(repr=False)
     reads: ReadMode | None = None
     rowwise: bool = False
+    saves: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rowwise, bool):
             raise TypeError(f"{op_name(self)}: rowwise must be True or False, not "
                             f"{self.rowwise!r}")
+        check_result_name(self, "saves")
 
     def shares_rows(self) -> bool:
         """Whether the requests running this call are served with one call a step
-        (`rowwise=True`)."""
-        return self.rowwise
+        (`rowwise=True`, and no results to keep: those are kept request by request)."""
+        return self.rowwise and self.saves is None
+
+    def saved_names(self, location: str) -> tuple[str, ...]:
+        """The result's name, where the function returns one tensor (a dict's keys are known
+        only when it returns)."""
+        return () if self.saves is None else (f"{location}.{self.saves}",)
 
     def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """The function as cloudpickled bytes; a bad read mode is refused here, in the user's
@@ -730,6 +815,9 @@ class Call(Op):
         context = CallContext(visit.location, visit.want.span,
                               None if self.rowwise else prompt_length, (prompt_length,))
         result = self.run_user_code(lent.value, context)
+        if self.saves is not None:
+            self.keep_results(visit, result)
+            result = None  # a result, not a replacement: only in-place edits are written
         edited = lent.written(result)
         if edited is None:
             if lent.mode == "view":  # its writes landed already: say so if they broke it
@@ -738,6 +826,31 @@ class Call(Op):
             return  # untouched: nothing is written
         visit.write_if_finite(edited, "the function" if edited is lent.value else
                               "the function's result")
+
+    def keep_results(self, visit: Visit, result: Any) -> None:
+        """Keep what a `saves` call returned, per position as a `Save` keeps its rows; a result
+        of another form fails the request, naming what it should be."""
+        if result is None:
+            return
+        name = f"{visit.location}.{self.saves}"
+        found = result.items() if isinstance(result, dict) else [(None, result)]
+        rows = len(visit.want.span)
+        kept = []
+        for key, tensor in found:
+            label = name if key is None else f"{name}.{key}"
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 \
+                    or tensor.shape[0] != 1 or tensor.shape[1] != rows:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else \
+                    type(tensor).__name__
+                raise ValueError(f"Call(saves={self.saves!r}) returned {shape} for {label}; "
+                                 f"return a tensor [1, {rows}, ...] (one row per row handed "
+                                 "to the function: ctx.positions) or a dict of them")
+            kept.append((label, tensor.detach().clone()))
+        if not visit.services.keeps_saves:
+            return
+        first = visit.want.span.first_position
+        for label, tensor in kept:
+            visit.services.store.save(visit.want.program_id, label, first, tensor, 1)
 
     def run_user_code(self, value: torch.Tensor, context: CallContext) -> Any:
         """`fn(value, context)`: the one frame between our code and the user's, which
@@ -758,7 +871,7 @@ class Call(Op):
 
 
 OPS_BY_KIND: dict[str, type[Op]] = {
-    op.kind: op for op in (Save, Add, Set, Scale, Zero, ProjectOut, Skip, Call, Lens)}
+    op.kind: op for op in (Save, Add, Set, Scale, Zero, ProjectOut, Skip, Call, Lens, Probe)}
 
 
 def op_from_data(data: dict[str, Any]) -> Op:

@@ -272,6 +272,8 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     store = services.store
     if token_axis is None or codec is None or not codec.rowwise:
         return False
+    if isinstance(op, Call) and op.saves is not None:
+        return False  # its results are kept request by request (`Call.keep_results`)
     if isinstance(op, Call) and not op.rowwise:
         return _call_each(op, value, raw, members, layout, token_axis, services)
     if isinstance(op, Save) and op.filtered:

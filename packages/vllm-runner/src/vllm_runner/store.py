@@ -486,8 +486,9 @@ class SaveStore:
                 if axis is None:
                     result[location] = chunks[0][1]
                     continue
+                # A name no op declared (a `Call`'s dict of results) keeps every position.
                 result[location] = _in_position_order(chunks, axis, computed,
-                                                      wanted[location], fill)
+                                                      wanted.get(location), fill)
         except BaseException:
             # Out of `_chunks` already, so out of `_release`'s reach: freed here (an arena's
             # blocks would otherwise stay held for good), an interruption's included.

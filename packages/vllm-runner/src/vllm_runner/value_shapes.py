@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
-from vllm_runner.ops import Add, Op, ProjectOut, Save, Set
+from vllm_runner.ops import Add, Op, Probe, ProjectOut, Save, Set
 
-#: The tensor each editing op brings, by its field's name in the op and in JSON.
-TENSOR_FIELDS: dict[type[Op], str] = {Add: "vector", Set: "value", ProjectOut: "direction"}
+#: The tensor each op that brings one (an edit's, a probe's weight) has, by its field's name in
+#: the op and in JSON.
+TENSOR_FIELDS: dict[type[Op], str] = {Add: "vector", Set: "value", ProjectOut: "direction",
+                                      Probe: "weight"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,13 @@ def misfit(op: Op, tensor: torch.Tensor, location: str, value: ValueShape) -> st
     token_axis = value.token_axis
     if token_axis is None:  # a pattern: its sizes depend on the step (the worker checks)
         return None
+    if isinstance(op, Probe):  # scores of each token's row: [1 tokens width] values only
+        if token_axis == 1 and len(value.shape) == 3 and given[-1:] == value.shape[-1:]:
+            return None
+        return (f"has shape {list(given)}; a probe's weight for {location} {value.describe()} "
+                f"is [width] or [k, width] over a value [1 tokens width]"
+                + (f": give [{value.shape[-1]}] or [k, {value.shape[-1]}]"
+                   if token_axis == 1 and len(value.shape) == 3 else ""))
     if isinstance(op, ProjectOut):  # a dot product along the last axis
         if given == value.shape[-1:]:
             return None
