@@ -1,7 +1,8 @@
 """Attention scores and probabilities, recomputed from the queries and keys an attention layer
 was given. vLLM's kernels never materialise the pattern, so this is the only way to read it; the
 recomputation uses the layer's own scale, logit soft-cap, sliding window, attention sinks and
-grouped-query layout, and is read-only (an edited pattern could not reach the kernel).
+grouped-query layout, and is read-only here (an edited pattern could not reach the kernel;
+vllm-runner serves edits by computing the layer's output from the edited pattern itself).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from vllm_runner import wire
 from vllm_runner.engine_start import choose_defaults
 from vllm_runner.errors import LocationError
 from vllm_runner.llm import as_prompt_dict, prepare_engine
+from vllm_runner.locations import refuse_edits_that_cannot_be_served
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
@@ -76,13 +77,16 @@ class AsyncLLM:
     async def resolve(self, patterns: Sequence[str]) -> dict[str, list[str]]:
         """The canonical locations each pattern names; `LocationError` for one that names
         nothing (as `LLM.resolve`)."""
+        return dict((await self._resolution(patterns))["resolved"])
+
+    async def _resolution(self, patterns: Sequence[str]) -> dict[str, Any]:
         wanted = sorted(set(patterns))
         if not wanted:
-            return {}
+            return {"resolved": {}, "errors": {}, "edit_refusals": {}}
         (answer, *_) = await self.engine.collective_rpc("interp_resolve", args=(wanted,))
         if answer["errors"]:
             raise LocationError("; ".join(answer["errors"].values()))
-        return dict(answer["resolved"])
+        return answer
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        *, interventions: Sequence[Op] | None = None,
@@ -122,7 +126,8 @@ class AsyncLLM:
         if params.n > 1:
             raise ValueError(f"SamplingParams(n={params.n}) with interventions: the {params.n} "
                              "samples would share one program's saves; send n requests")
-        await self.resolve([pattern for op in ops for pattern in op.patterns()])
+        answer = await self._resolution([pattern for op in ops for pattern in op.patterns()])
+        refuse_edits_that_cannot_be_served([ops], answer)
         model_config = self.engine.model_config
         for op in ops:
             check_op_fits(op, int(model_config.get_vocab_size()),

@@ -26,6 +26,7 @@ from vllm_runner import engine_rpc, vllm_client, wire
 from vllm_runner.compat import check_version
 from vllm_runner.engine_start import eager_by_default, start
 from vllm_runner.errors import EngineDied, LocationError, TapsRefused
+from vllm_runner.locations import refuse_edits_that_cannot_be_served
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
@@ -299,13 +300,18 @@ class LLM:
         """The canonical locations each pattern names (`layers.*.layer_output` → every layer's),
         as the keys of `outputs[i].saved` will be; `LocationError` naming the closest valid
         locations for any pattern that names nothing. Runs nothing."""
+        return self._resolution(patterns)["resolved"]
+
+    def _resolution(self, patterns: Sequence[str]) -> dict[str, Any]:
+        """The workers' answer for `patterns` (`WorkerRPC.interp_resolve`), its errors
+        raised."""
         wanted = sorted(set(patterns))
         if not wanted:
-            return {}
+            return {"resolved": {}, "errors": {}, "edit_refusals": {}}
         (answer, *_) = self._rpc("interp_resolve", (wanted,))
         if answer["errors"]:
             raise LocationError("; ".join(answer["errors"].values()))
-        return answer["resolved"]
+        return answer
 
     def trace(self, prompt: Any, sampling_params: SamplingParams | None = None,
               **sampling: Any) -> Trace:
@@ -332,7 +338,9 @@ class LLM:
         unknown location, a lens wider than the vocabulary, positions past `max_model_len`
         (a negative position past a prompt's start is refused per request, in the worker,
         which knows the prompt's length)."""
-        self.resolve([pattern for ops in programs for op in ops for pattern in op.patterns()])
+        answer = self._resolution([pattern for ops in programs for op in ops
+                                   for pattern in op.patterns()])
+        refuse_edits_that_cannot_be_served(programs, answer)
         longest = self.engine.llm_engine.model_config.max_model_len
         for op in {id(op): op for ops in programs for op in ops}.values():
             check_op_fits(op, self.vocab_size, longest)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
 
 from vllm_runner.errors import LocationError
 
@@ -55,3 +56,22 @@ def resolve(pattern: str, canonical: Iterable[str], layers: int) -> list[str]:
     close = difflib.get_close_matches(probe, known, n=3, cutoff=0.5)
     hint = f"; closest: {', '.join(close)}" if close else ""
     raise LocationError(f"{pattern!r} is not a location of this model{hint}")
+
+
+def refuse_edits_that_cannot_be_served(programs: Iterable[Iterable[Any]],
+                                       answer: dict[str, Any]) -> None:
+    """Raise `LocationError` for the first editing op of `programs` that names a location an
+    edit can never be served at, with the reason (`answer`: the workers' `interp_resolve` for
+    every pattern of the programs); before anything runs."""
+    refusals = answer.get("edit_refusals") or {}
+    if not refusals:
+        return
+    for ops in programs:
+        for op in ops:
+            if not op.edits or op.kind == "skip":
+                continue
+            for pattern in op.patterns():
+                for location in answer["resolved"].get(pattern, ()):
+                    if location in refusals:
+                        raise LocationError(f"{type(op).__name__}({pattern!r}): "
+                                            f"{refusals[location]}")

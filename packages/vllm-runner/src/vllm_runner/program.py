@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -119,7 +119,11 @@ class ProgramCache:
     `Call` that is not `rowwise` (its function is unpickled per request: it may keep state of
     its own; a rowwise one promises it keeps none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, expand: Callable[[tuple[Op, ...]], tuple[Op, ...]] = lambda ops: ops
+                 ) -> None:
+        #: What the worker adds to a program as decoded (its own ops, e.g. the output of an
+        #: edited attention pattern: `pattern_edits.with_pattern_outputs`).
+        self._expand = expand
         self._programs: dict[str, Program] = {}
         self._shared: dict[str, tuple[Op, ...]] = {}
         #: Whether a program that acts on the prompt only was ever decoded here: until one is,
@@ -141,7 +145,7 @@ class ProgramCache:
         shared = self._shared.get(data["digest"])
         if shared is not None:
             return shared
-        ops = tuple(op_from_data(op) for op in data["ops"])
+        ops = self._expand(tuple(op_from_data(op) for op in data["ops"]))
         if not any(isinstance(op, Call) and not op.rowwise for op in ops):
             if len(self._shared) >= SHARED_PROGRAMS:
                 self._shared.pop(next(iter(self._shared)))

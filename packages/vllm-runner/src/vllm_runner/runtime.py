@@ -25,7 +25,8 @@ from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_g
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
 from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
-from vllm_runner.ops import EditOp, Op
+from vllm_runner.ops import EditOp, Op, Skip
+from vllm_runner.pattern_edits import edit_refusal, with_pattern_outputs
 from vllm_runner.program import Program, ProgramCache, ProgramData
 from vllm_runner.repeated_saves import RepeatedSaves
 from vllm_runner.serving import OpGroup, Services, Visits, serve, token_axis_of
@@ -89,7 +90,8 @@ class Runtime:
         self.standard = standardize(model, hf_config)
         self.values = self.standard.values()
         self.store = SaveStore()
-        self.programs = ProgramCache()
+        self.programs = ProgramCache(
+            lambda ops: with_pattern_outputs(ops, self.locations_of, self.values))
         self.lens = ModelLens(self.standard)
         # Under tensor parallelism every rank runs every op (edits must reach every piece), but
         # only rank 0 keeps saves: the client collects from rank 0.
@@ -281,10 +283,31 @@ class Runtime:
             return None
         self._checked[program_id] = program
         if (problem := program.before_the_prompt(prompt_length)
-                or self._position_misfit(program, prompt_length)) is not None:
+                or self._position_misfit(program, prompt_length)
+                or self._edit_refused(program)) is not None:
             self.store.fail(program_id, problem)
             return None
         return program
+
+    def edit_refusal(self, location: str) -> str | None:
+        """Why an edit at canonical `location` can never be served on this engine, or `None`
+        (`pattern_edits.edit_refusal`)."""
+        return edit_refusal(self.values[location], self.values, bool(len(self.sharded.fragments)))
+
+    def _edit_refused(self, program: Program) -> str | None:
+        """The first edit of `program` at a value it can never edit, with the reason (a client
+        refuses it before sending: `LLM.resolve`; checked here for every client)."""
+        for op in program.ops:
+            if not op.edits or isinstance(op, Skip):
+                continue
+            try:
+                locations = self.locations_of(op)
+            except LocationError:
+                continue
+            for location in locations:
+                if (reason := self.edit_refusal(location)) is not None:
+                    return f"{op.kind} at {location}: {reason}"
+        return None
 
     def _position_misfit(self, program: Program, prompt_length: int) -> str | None:
         """Why an edit's per-position tensor has no row for a position its `positions=` names
@@ -423,6 +446,7 @@ class Runtime:
         self._visited.clear()
         self._tokens = NO_VISITS
         self.services.skipped.clear()
+        self.services.patterns.end_step()
 
     def _plan_in_graph(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> bool:
         """Serve the step from the graph taps' buffers alone, planned per program
@@ -575,6 +599,7 @@ class Runtime:
         self.programs.forget(program_id)
         self._checked.pop(program_id, None)
         self.services.keys.forget(program_id)
+        self.services.patterns.forget(program_id)
 
 
 def _one_per_digest(data: Sequence[ProgramData]) -> list[ProgramData]:

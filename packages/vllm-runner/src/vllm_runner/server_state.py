@@ -53,6 +53,8 @@ class ServerState:
         self.max_model_len = int(model_config.max_model_len)
         # pattern -> (the locations it names, or why it is refused)
         self._resolved: dict[str, list[str] | str] = {}
+        #: Locations no edit can be served at, with the reason (from `interp_resolve`).
+        self._edit_refusals: dict[str, str] = {}
         # location -> its shape at one token (`learn_shapes`; empty: nothing checked before
         # queueing, the worker still checks every step)
         self.shapes: dict[str, ValueShape] = {}
@@ -118,6 +120,7 @@ class ServerState:
         unknown = sorted({p for op in ops for p in op.patterns()} - set(self._resolved))
         if unknown:
             (answer, *_) = await self.engine.collective_rpc("interp_resolve", args=(unknown,))
+            self._edit_refusals.update(answer.get("edit_refusals") or {})
             for pattern in unknown:
                 refused = answer["errors"].get(pattern)
                 self._resolved[pattern] = (refused if refused is not None
@@ -129,6 +132,10 @@ class ServerState:
                 found = self._resolved[pattern]
                 if isinstance(found, str):
                     raise InterventionInputError(f"interventions[{index}].location", found)
+                refused = [location for location in found if location in self._edit_refusals]
+                if refused and op.edits and op.kind != "skip":
+                    raise InterventionInputError(f"interventions[{index}].location",
+                                                 self._edit_refusals[refused[0]])
                 acting_at[-1].extend(found)
             try:
                 check_op_fits(op, self.vocab_size, self.max_model_len)

@@ -31,6 +31,7 @@ from vllm_runner.op_checks import (
     refuse_non_finite,
 )
 from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, RowOp, Save, with_rows_kept
+from vllm_runner.pattern_edits import EditedPatterns, is_pattern
 from vllm_runner.recorded_saves import GroupRecord, offsets_in
 from vllm_runner.save_arena import row_index
 from vllm_runner.store import SaveStore
@@ -123,6 +124,7 @@ class Services:
     keeps_saves: bool = True
     skipped: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     keys: KeyHistory = field(default_factory=KeyHistory)
+    patterns: EditedPatterns = field(default_factory=EditedPatterns)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,12 @@ class Visit:
         return _device_of(self.raw)
 
     def read(self) -> torch.Tensor:
-        """The request's value as read (a private copy)."""
+        """The request's value as read (a private copy); a pattern the request edited earlier
+        in this step as edited (`pattern_edits`)."""
+        patterns = self.services.patterns
+        if patterns.active and (edited := patterns.pending(self.want.program_id,
+                                                           self.location)) is not None:
+            return edited.clone()
         return self.value.read(self.rows, self.want.step)
 
     def read_rows(self, start: int, stop: int) -> torch.Tensor:
@@ -171,7 +178,11 @@ class Visit:
         return codec.fill() if isinstance(codec, Pattern) else None
 
     def write(self, edited: torch.Tensor) -> None:
-        """Write the request's edited value into the engine's rows."""
+        """Write the request's edited value into the engine's rows (an edited pattern is kept
+        for the layer's output instead: `pattern_edits`)."""
+        if is_pattern(self.value):
+            self.services.patterns.edit(self, edited)
+            return
         widen(self.raw, self.want.span, self.layout,
               self.value.write(self.rows, edited, self.want.step))
 
@@ -180,7 +191,10 @@ class Visit:
         request instead, naming `what` made it. Checked on the device, and the rows written
         only if it passed: the store reads the answer later (`unread_checks`), so the host
         does not wait for the device here. On the logits, where `-inf` is allowed, the answer
-        is read at once."""
+        is read at once. An edited pattern is checked where its output is written."""
+        if is_pattern(self.value):
+            self.services.patterns.edit(self, edited)
+            return
         if self.location == "logits" or self.token_axis is None:
             refuse_non_finite(edited, what, self.location)
             self.write(edited)
@@ -240,6 +254,9 @@ def serve_one(want: Want, value: Value, raw: Any, layout: StepLayout, token_axis
         if reads_pattern(value):  # the keys of every earlier position join the step's
             rows = services.keys.with_earlier_keys(want.program_id, value,
                                                    want.span.first_position, rows)
+            if want.op.edits:  # and the values, for the edited attention (`pattern_edits`)
+                services.patterns.keep_values(want.program_id, value,
+                                              want.span.first_position, rows, want.step)
         want.op.serve(Visit(want, value, raw, rows, layout, token_axis, services))
     except Exception as error:  # one request's failure must not stop the engine
         _fail(want, value, error, store)

@@ -27,14 +27,19 @@ class WorkerRPC:
     vllm_config: Any
 
     def interp_resolve(self, patterns: list[str]) -> dict[str, Any]:
-        """Canonical locations for each pattern, or the error message that refuses it."""
+        """Canonical locations for each pattern, or the error message that refuses it; and,
+        for each location found, why an edit there can never be served (only those where it
+        cannot: `edit_refusals`)."""
+        runtime = self.model_runner.interp
         resolved, errors = {}, {}
         for pattern in patterns:
             try:
-                resolved[pattern] = self.model_runner.interp.resolve(pattern)
+                resolved[pattern] = runtime.resolve(pattern)
             except LocationError as error:
                 errors[pattern] = str(error)
-        return {"resolved": resolved, "errors": errors}
+        refusals = {location: reason for found in resolved.values() for location in found
+                    if (reason := runtime.edit_refusal(location)) is not None}
+        return {"resolved": resolved, "errors": errors, "edit_refusals": refusals}
 
     def interp_collect(self, finished: list[Finished], encoded: bool = True,
                        shared_memory: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,187 @@
+"""Editing attention patterns (nnterp's editable `attention_probabilities`): the layer's output
+for the editing request is the one transformers' eager attention makes from the same edited
+pattern — on a prompt cut into chunks beside other requests and at every decode step — while
+the request beside it keeps vLLM's own attention. Where an edit can never be served, it is
+refused before anything runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from conftest import PROMPTS
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import LocationError, ops
+from vllm_runner.pattern_edits import head_outputs
+
+PROBABILITIES = "layers.1.self_attn.attention_probabilities"
+SCORES = "layers.1.self_attn.attention_scores"
+LAYER = 1
+GENERATED = 4
+TOLERANCE = 1e-4
+
+
+def knock_out_the_first_token(pattern, ctx=None):
+    """The user's edit: no query attends to position 0 (its share is dropped, not spread)."""
+    pattern[..., 0] = 0.0
+    return pattern
+
+
+@contextlib.contextmanager
+def edited_eager_attention(layer: int, probabilities=None, scores=None):
+    """transformers' eager attention at `layer` with `scores(weights)` applied before the
+    softmax and `probabilities(weights)` after it (the oracle)."""
+    from transformers.models.llama import modeling_llama as modeling
+
+    original = modeling.eager_attention_forward
+
+    def forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        if module.layer_idx != layer:
+            return original(module, query, key, value, attention_mask, scaling, dropout,
+                            **kwargs)
+        keys = modeling.repeat_kv(key, module.num_key_value_groups)
+        values = modeling.repeat_kv(value, module.num_key_value_groups)
+        weights = query @ keys.transpose(2, 3) * scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        if scores is not None:
+            weights = scores(weights.clone())
+        weights = weights.softmax(-1, dtype=torch.float32).to(query.dtype)
+        if probabilities is not None:
+            weights = probabilities(weights.clone())
+        return (weights @ values).transpose(1, 2).contiguous(), weights
+
+    modeling.eager_attention_forward = forward
+    try:
+        yield
+    finally:
+        modeling.eager_attention_forward = original
+
+
+@torch.no_grad()
+def oracle_logits(reference, prompt: list[int], generated: list[int], **edits) -> torch.Tensor:
+    """transformers' logits of the generated tokens with the edited attention (teacher-forced
+    over the engine's tokens: each query row's edit depends on that row only)."""
+    with edited_eager_attention(LAYER, **edits):
+        logits = reference(torch.tensor([prompt + generated[:-1]])).logits[0]
+    return logits[len(prompt) - 1:]
+
+
+def _run(llm, programs, prompts=PROMPTS):
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                        interventions=programs, use_tqdm=False)
+
+
+def _assert_oracle(reference, output, prompt, **edits) -> None:
+    assert output.error is None, output.error
+    generated = list(output.outputs[0].token_ids)
+    expected = oracle_logits(reference, prompt, generated, **edits)
+    worst = float((output.saved["logits"][0] - expected).abs().max())
+    assert worst <= TOLERANCE, f"logits differ from transformers' edited attention by {worst}"
+    assert generated == expected.argmax(-1).tolist()
+
+
+def test_knocking_out_attention_to_the_first_token_equals_transformers(llm, reference) -> None:
+    """The user zeroes every query's attention to position 0 at layer 1, in place from a
+    `Call`; the 11-token prompt runs in chunks beside a plain request and a saving one, then
+    four decode steps: every logit is transformers' with the same edit, and the requests beside
+    it are untouched."""
+    outputs = _run(llm, [[ops.Call(PROBABILITIES, knock_out_the_first_token),
+                          ops.Save("logits")],
+                         [ops.Save("logits")], []], prompts=[PROMPTS[1], PROMPTS[0], PROMPTS[2]])
+    _assert_oracle(reference, outputs[0], PROMPTS[1], probabilities=knock_out_the_first_token)
+    plain = oracle_logits(reference, PROMPTS[0], list(outputs[1].outputs[0].token_ids))
+    assert (outputs[1].saved["logits"][0] - plain).abs().max() <= TOLERANCE
+    unedited = oracle_logits(reference, PROMPTS[1], list(outputs[0].outputs[0].token_ids))
+    assert (outputs[0].saved["logits"][0] - unedited).abs().max() > 1e-2, \
+        "the edit changed nothing: the test proves nothing"
+
+
+def test_a_scaled_pattern_on_the_prompt_only_and_saves_see_the_edit(llm, reference) -> None:
+    """`Scale` with `steps="prefill"`: the prompt's queries attend with half their weights, the
+    decode steps' as before; a `Save` of the pattern after the edit and of the head outputs
+    see the edited attention."""
+    prompt = PROMPTS[1]
+    (output,) = _run(llm, [[ops.Scale(PROBABILITIES, 0.5, steps="prefill"),
+                            ops.Save(PROBABILITIES, steps="prefill"),
+                            ops.Save("layers.1.self_attn.attention_head_outputs",
+                                     steps="prefill"),
+                            ops.Save("layers.1.self_attn.attention_values"),
+                            ops.Save("logits")]], prompts=[prompt])
+
+    def halve_prompt_rows(weights):
+        weights[:, :, :len(prompt)] *= 0.5
+        return weights
+
+    _assert_oracle(reference, output, prompt, probabilities=halve_prompt_rows)
+    with torch.no_grad(), edited_eager_attention(LAYER):
+        plain = reference(torch.tensor([prompt]), output_attentions=True).attentions[LAYER]
+    saved = output.saved[PROBABILITIES]
+    assert saved.shape == plain.shape
+    assert (saved - 0.5 * plain).abs().max() <= TOLERANCE
+    values = output.saved["layers.1.self_attn.attention_values"][:, :, :len(prompt)]
+    expected = head_outputs(saved, values)
+    assert (output.saved["layers.1.self_attn.attention_head_outputs"] - expected).abs().max() \
+        <= TOLERANCE
+
+
+def test_masking_a_key_on_the_scores_equals_transformers(llm, reference) -> None:
+    """An edit of the pre-softmax scores: `-inf` hides key 0 from every query past position 0,
+    and the softmax spreads their attention over the other keys."""
+    def mask(scores):
+        scores[..., 1:, 0] = float("-inf")
+        return scores
+
+    def edit(scores, ctx):
+        rows = ctx.positions > 0  # a decode step's one row is past position 0
+        scores[:, :, rows, 0] = float("-inf")
+
+    (output,) = _run(llm, [[ops.Call(SCORES, edit), ops.Save("logits")]],
+                     prompts=[PROMPTS[1]])
+    _assert_oracle(reference, output, PROMPTS[1], scores=mask)
+
+
+def test_edits_no_value_can_take_are_refused_before_anything_runs(llm) -> None:
+    """A read-only value that is not a pattern (the sampler's probabilities) cannot be edited:
+    refused by `generate` before any request runs, naming the value and what to edit instead;
+    a save there is fine."""
+    with pytest.raises(LocationError, match="next_token_probs is derived and read-only"):
+        _run(llm, [[ops.Scale("next_token_probs", 2.0)]] * 3)
+    outputs = _run(llm, [[ops.Save("next_token_probs")]] * 3)
+    assert all(output.error is None for output in outputs)
+
+
+def test_an_edit_of_a_pattern_that_breaks_it_fails_its_request_alone(llm) -> None:
+    """A pattern edited to NaN fails its request at the layer's output (nothing written); the
+    request beside it completes as if alone."""
+    def poison(pattern, ctx):
+        pattern.fill_(float("nan"))
+
+    bad, good = _run(llm, [[ops.Call(PROBABILITIES, poison)], [ops.Save("logits")]],
+                     prompts=[PROMPTS[1], PROMPTS[1]])
+    assert bad.error is not None and "the edited " + PROBABILITIES in bad.error, bad.error
+    assert "NaN" in bad.error, bad.error
+    assert good.error is None
+    (alone,) = _run(llm, [[ops.Save("logits")]], prompts=[PROMPTS[1]])
+    assert torch.equal(good.saved["logits"], alone.saved["logits"])
+
+
+def test_pattern_edits_under_tensor_parallelism_are_refused_by_name(llm) -> None:
+    """At more than one rank each holds a piece of the values an edited pattern's output needs:
+    the refusal names the setting and the alternative, for patterns only."""
+    from vllm_runner.pattern_edits import edit_refusal
+
+    def reasons(worker):
+        values = worker.model_runner.interp.values
+        return {location: edit_refusal(values[location], values, tensor_parallel=True)
+                for location in (PROBABILITIES, SCORES, "layers.1.self_attn.attention_values",
+                                 "next_token_probs")}
+
+    (found,) = llm.engine.collective_rpc(reasons)
+    assert "tensor_parallel_size=1" in found[PROBABILITIES]
+    assert "tensor_parallel_size=1" in found[SCORES]
+    assert found["layers.1.self_attn.attention_values"] is None
+    assert "read-only" in found["next_token_probs"]
