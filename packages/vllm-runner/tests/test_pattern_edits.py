@@ -166,7 +166,9 @@ def test_an_edit_of_a_pattern_that_breaks_it_fails_its_request_alone(llm) -> Non
     assert "NaN" in bad.error, bad.error
     assert good.error is None
     (alone,) = _run(llm, [[ops.Save("logits")]], prompts=[PROMPTS[1]])
-    assert torch.equal(good.saved["logits"], alone.saved["logits"])
+    # Equal up to rounding: compiled, the batch ran the module tree and the request alone
+    # vLLM's compiled forward.
+    assert (good.saved["logits"] - alone.saved["logits"]).abs().max() <= TOLERANCE
 
 
 def test_pattern_edits_under_tensor_parallelism_are_refused_by_name(llm) -> None:

@@ -18,6 +18,10 @@ from vllm_envoys import HookArgs, Value
 from vllm_runner.step_plan import PER_SAMPLED_ROW
 
 SAMPLER_HOOK = "logits"
+#: The value whose module's input is the step's token ids (`TokenIdsHook`), and how a step that
+#: needs them is named where locations are listed.
+EMBEDDINGS = "token_embeddings"
+TOKEN_IDS = "the step's token ids (ops with tokens=)"
 
 #: `(location, value, raw)`: called at every visit of a hooked value.
 OnVisit = Callable[[str, Value, Any], None]
@@ -83,3 +87,29 @@ class Hooks:
 
     def __len__(self) -> int:
         return len(self._installed)
+
+
+class TokenIdsHook:
+    """A pre-hook on the model's embedding, installed only while a step's programs filter by
+    token (`RowOp.tokens`): it hands the step's token ids (one per row of the slab, on the
+    device) to the ops that step (`Services.token_ids`)."""
+
+    def __init__(self, embedding: nn.Module, services: Any) -> None:
+        self._embedding = embedding
+        self._services = services
+        self._handle: RemovableHandle | None = None
+
+    def sync(self, wanted: bool) -> None:
+        """Install the hook for a step that needs the ids, remove it after one that does not."""
+        if wanted and self._handle is None:
+            self._handle = self._embedding.register_forward_pre_hook(self._seen,
+                                                                     with_kwargs=True)
+        elif not wanted and self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _seen(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        refuse_capture(EMBEDDINGS)
+        ids = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(ids, torch.Tensor):
+            self._services.token_ids = ids.reshape(-1)

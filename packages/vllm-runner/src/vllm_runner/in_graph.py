@@ -54,6 +54,8 @@ def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
     graph: at most one `ProjectOut`, then `Add`s, then `Save`s, every vector one row's, and no
     more than one `Add` if any keeps only some positions."""
     ops = list(ops)
+    if any(getattr(op, "tokens", None) is not None for op in ops):
+        return False  # a token filter needs the step's token ids: the module tree
     ablations = [op for op in ops if isinstance(op, ProjectOut)]
     adds = [op for op in ops if isinstance(op, Add)]
     saves = [op for op in ops if isinstance(op, Save)]

@@ -51,6 +51,12 @@ def check_where(op: Any) -> None:
         raise ValueError(f"{op_name(op)}: positions={positions!r} must be a tuple of whole "
                          "numbers (absolute, or negative from the end of the prompt), e.g. "
                          "(-1,)")
+    tokens = op.tokens
+    if tokens is not None and (not isinstance(tokens, (tuple, list, range)) or not tokens or
+                               not all(isinstance(t, Integral) and not isinstance(t, bool)
+                                       and int(t) >= 0 for t in tokens)):
+        raise ValueError(f"{op_name(op)}: tokens={tokens!r} must be a non-empty tuple of token "
+                         "ids (whole numbers >= 0), e.g. tokenizer.encode(' love')")
 
 
 def check_tensor(op: Any, field_name: str) -> None:

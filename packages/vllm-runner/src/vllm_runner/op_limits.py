@@ -8,10 +8,15 @@ from vllm_runner.ops import Lens, Op
 
 def check_op_fits(op: Op, vocab_size: int, max_model_len: int) -> None:
     """Refuse (`ValueError`, naming the op and the fix) what no request of this engine could
-    ever serve: a lens wider than the vocabulary, positions past `max_model_len`."""
+    ever serve: a lens wider than the vocabulary, token ids outside it, positions past
+    `max_model_len`."""
     if isinstance(op, Lens) and op.top_k > vocab_size:
         raise ValueError(f"Lens({op.location!r}, top_k={op.top_k}): the vocabulary has "
                          f"{vocab_size} tokens; choose top_k <= {vocab_size}")
+    unknown = [t for t in getattr(op, "tokens", None) or () if t >= vocab_size]
+    if unknown:
+        raise ValueError(f"{type(op).__name__}({op.location!r}): tokens {unknown} are not in the "
+                         f"vocabulary (ids 0..{vocab_size - 1}); no position can hold them")
     never = [p for p in getattr(op, "positions", None) or ()
              if p >= max_model_len or p < -max_model_len]
     if never:

@@ -122,18 +122,39 @@ class Op:
 
 @dataclass(frozen=True)
 class RowOp(Op):
-    """An op with the shared `positions` and `steps` filters (keyword arguments)."""
+    """An op with the shared `positions`, `steps` and `tokens` filters (keyword arguments).
+
+    `tokens` (token ids) keeps the positions whose token is one of them, in the prompt or
+    generated (EasySteer's triggers): the token a position runs through the model with. The
+    worker reads the step's token ids where the model embeds them, so steps with such an op run
+    the plain module tree, and its requests are served one by one.
+    """
 
     positions: tuple[int, ...] | None = field(default=None, kw_only=True)
     steps: Steps = field(default="all", kw_only=True)
+    tokens: tuple[int, ...] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         check_where(self)
 
     @property
     def filtered(self) -> bool:
-        """Whether `positions` or `steps` limit the rows the op acts at."""
-        return self.positions is not None or self.steps != "all"
+        """Whether `positions`, `steps` or `tokens` limit the rows the op acts at."""
+        return self.positions is not None or self.steps != "all" or self.tokens is not None
+
+    def token_rows(self, visit: Visit) -> torch.Tensor | None:
+        """Whether each of the request's rows at this visit holds one of `tokens` (bool, on
+        the rows' device), or `None` without a `tokens` filter."""
+        if self.tokens is None:
+            return None
+        ids = visit.services.token_ids
+        if ids is None:
+            raise ValueError(f"{self.kind} with tokens=: the step's token ids were not seen "
+                             "(the model's embedding did not run this forward); this is a bug "
+                             "of vllm-runner: please report it")
+        span = visit.want.span
+        wanted = torch.tensor(self.tokens, dtype=ids.dtype).to(ids.device, non_blocking=True)
+        return torch.isin(ids[span.start:span.stop], wanted)
 
     def acts_past_the_prompt(self) -> bool:
         """`False` for `steps="prefill"` and for `positions` counted from the prompt's end
@@ -190,9 +211,11 @@ class RowOp(Op):
         span = visit.want.span
         if not self.filtered or visit.token_axis is None:
             return [(span.first_position, visit.read())]
+        runs = self.kept_runs(span.first_position, len(span), visit.want.step.prompt_length)
+        if (matching := self.token_rows(visit)) is not None and runs:
+            runs = _runs_of(_within(runs, len(span)) & matching.cpu())
         return [(span.first_position + start, visit.read_rows(start, stop))
-                for start, stop in self.kept_runs(span.first_position, len(span),
-                                                  visit.want.step.prompt_length)]
+                for start, stop in runs]
 
     def kept_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
         """`keeps` for many rows at once: whether the op acts at each row, given each row's
@@ -399,8 +422,8 @@ class EditOp(RowOp):
 
     def shares_rows(self) -> bool:
         """Edits are served together with `positions` and `steps` too: the rows they do not
-        keep are written back as read (`kept_rows`)."""
-        return True
+        keep are written back as read (`kept_rows`); with `tokens`, request by request."""
+        return self.tokens is None
 
     def edited(self, current: torch.Tensor, layout: tuple[str, ...],
                operand: torch.Tensor | None = None) -> torch.Tensor:
@@ -448,7 +471,7 @@ class EditOp(RowOp):
                 span.first_position, len(span), prompt_length):
             return
         current = visit.read()
-        operand, keep = self.operand, None
+        operand, keep = self.operand, None if axis is None else self.token_rows(visit)
         positions = None
         if axis is not None:
             positions = span.first_position + torch.arange(current.shape[axis])
@@ -458,17 +481,37 @@ class EditOp(RowOp):
                 _fitted(operand.narrow(rows, 0, 1), current.narrow(axis, 0, 1),
                         visit.value.eproperty.layout, self.operand_name,
                         (tuple(operand.shape), tuple(current.shape)))
-                operand, keep = operand_at(operand, rows, positions, self.positions,
-                                           prompt_length)
-                if not bool(keep.any()):
+                operand, covered = operand_at(operand, rows, positions, self.positions,
+                                              prompt_length)
+                if not bool(covered.any()):
                     return  # no row of this step has a row of the tensor
+                keep = covered if keep is None else keep & covered.to(keep.device)
         edited = self.edited(current, visit.value.eproperty.layout, operand)
         if positions is not None and self.filtered:
             kept = self.kept_rows(positions, torch.full_like(positions, prompt_length))
-            keep = kept if keep is None else keep & kept
+            keep = kept if keep is None else keep & kept.to(keep.device)
         if keep is not None:
             edited = with_rows_kept(edited, current, keep, axis)  # type: ignore[arg-type]
         visit.write_if_finite(edited, f"the {self.kind}")
+
+
+def _within(runs: list[tuple[int, int]], count: int) -> torch.Tensor:
+    """The rows `runs` (offsets `(start, stop)`) mark among `count` rows (bool)."""
+    marked = torch.zeros(count, dtype=torch.bool)
+    for start, stop in runs:
+        marked[start:stop] = True
+    return marked
+
+
+def _runs_of(marked: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs `(start, stop)` of adjacent true rows of `marked` (bool, on the host)."""
+    runs: list[tuple[int, int]] = []
+    for row in marked.nonzero().flatten().tolist():
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
 
 
 def with_rows_kept(edited: torch.Tensor, current: torch.Tensor, keep: torch.Tensor,

@@ -94,6 +94,12 @@ class Program:
         return any(op.edits for op in self.ops)
 
     @cached_property  # asked at every step of every running request
+    def reads_token_ids(self) -> bool:
+        """Whether an op filters by token (`tokens=`): its steps need the step's token ids,
+        read where the model embeds them (the plain module tree)."""
+        return any(getattr(op, "tokens", None) is not None for op in self.ops)
+
+    @cached_property  # asked at every step of every running request
     def prompt_only(self) -> bool:
         """Whether every op acts on the prompt only (`Op.acts_past_the_prompt`): a request
         running it has nothing to do at a step past its prompt, and such a step is planned and

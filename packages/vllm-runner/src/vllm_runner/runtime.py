@@ -20,7 +20,7 @@ from vllm_envoys import Value, standardize
 
 from vllm_runner.errors import LocationError
 from vllm_runner.graph_steps import GraphStep, GraphSteps
-from vllm_runner.hooks import SAMPLER_HOOK, Hooks
+from vllm_runner.hooks import EMBEDDINGS, SAMPLER_HOOK, TOKEN_IDS, Hooks, TokenIdsHook
 from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.lens import ModelLens
 from vllm_runner.locations import resolve
@@ -101,6 +101,7 @@ class Runtime:
         self.refused_taps: dict[str, str] = {}
         self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
         self.hooks = Hooks(self.values, self._visit)
+        self._token_ids = TokenIdsHook(self.values[EMBEDDINGS].module, self.services)
         #: Tapped values whose `ProjectOut`s, `Add`s and `Save`s run inside the compiled model
         #: (`in_graph`).
         self.in_graph: dict[str, InGraphRows] = {}
@@ -230,6 +231,8 @@ class Runtime:
         taps = self.taps
         untapped = {location for _, location in self._acting_at(programs)
                     if location not in taps and location not in PER_SAMPLED_ROW}
+        if any(program.reads_token_ids for program in programs):
+            untapped.add(TOKEN_IDS)  # read where the module tree embeds them
         if self.compiled and (new := untapped - self._logged_untapped):
             self._logged_untapped |= new
             logger.info("vllm-runner: programs act at %s, which no tap serves: their steps run "
@@ -429,6 +432,7 @@ class Runtime:
         # `keep_logits_finite`.
         self._guard_logits, self._edited_in_step = self._edited_in_step, False
         self.hooks.sync([*locations, *((SAMPLER_HOOK,) if self._guard_logits else ())])
+        self._token_ids.sync(any(request.program.reads_token_ids for request in requests))
         if self.taps:
             serve_taps(self)
 
@@ -447,6 +451,7 @@ class Runtime:
         self._tokens = NO_VISITS
         self.services.skipped.clear()
         self.services.patterns.end_step()
+        self.services.token_ids = None
 
     def _plan_in_graph(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> bool:
         """Serve the step from the graph taps' buffers alone, planned per program

@@ -125,6 +125,9 @@ class Services:
     skipped: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     keys: KeyHistory = field(default_factory=KeyHistory)
     patterns: EditedPatterns = field(default_factory=EditedPatterns)
+    #: The step's token ids, one per row of the slab, where an op with `tokens=` needs them
+    #: (read at the model's embedding: `Runtime`), else `None`.
+    token_ids: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,8 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     op = members[0].op
     codec = value.eproperty.codec
     store = services.store
-    if token_axis is None or codec is None or not codec.rowwise:
+    if token_axis is None or codec is None or not codec.rowwise \
+            or getattr(op, "tokens", None) is not None:  # token filters: one by one
         return False
     if isinstance(op, Call) and op.saves is not None:
         return False  # its results are kept request by request (`Call.keep_results`)
