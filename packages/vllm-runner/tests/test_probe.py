@@ -109,3 +109,16 @@ def test_a_bad_probe_is_refused_where_it_is_made(bad, message) -> None:
 def test_a_probe_at_a_value_of_another_width_fails_its_request(llm) -> None:
     (output,) = _run(llm, [[ops.Probe("layers.0.mlp.mlp_neurons", WEIGHT)], [], []])[:1]
     assert output.error is not None and "weight is [3, 128]" in output.error, output.error
+
+
+def test_the_trace_form_takes_a_probe(llm) -> None:
+    """`t.model.layers[1].layer_output.probe(weight)` in nnsight's style is the same `Probe`."""
+    prompt = TokensPrompt(prompt_token_ids=PROMPTS[0])
+    with llm.trace(prompt, max_tokens=GENERATED, temperature=0.0) as t:
+        scores = t.model.layers[1].layer_output.probe(WEIGHT, BIAS, tokens=(PROMPTS[0][2],))
+    (expected,) = llm.generate([prompt], SamplingParams(max_tokens=GENERATED, temperature=0.0),
+                               interventions=[ops.Probe(STREAM, WEIGHT, BIAS,
+                                                        tokens=(PROMPTS[0][2],))],
+                               use_tqdm=False)
+    assert torch.equal(scores.value, expected.saved[f"{STREAM}.probe"])
+    assert scores.value.shape[1] >= 1

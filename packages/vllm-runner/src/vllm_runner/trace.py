@@ -88,6 +88,11 @@ class Node:
         `...lens_tokens` and `...lens_probs`."""
         return self._trace._saved(ops.Lens(self._location, top_k, **where))
 
+    def probe(self, weight: torch.Tensor, bias: torch.Tensor | None = None, name: str = "probe",
+              **where: Any) -> Saved:
+        """A linear probe's scores per token here (see `ops.Probe`)."""
+        return self._trace._saved(ops.Probe(self._location, weight, bias, name, **where))
+
     def add(self, vector: torch.Tensor, scale: float = 1.0, **where: Any) -> None:
         """Add `scale * vector` (see `ops.Add`)."""
         self._trace._ops.append(ops.Add(self._location, vector, scale, **where))
