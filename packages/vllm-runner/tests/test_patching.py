@@ -199,3 +199,23 @@ def test_positions_a_value_has_no_row_for_are_refused_before_it_runs(llm) -> Non
     assert "logits" not in patched.saved
     assert plain.error is None
     assert list(patched.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+
+
+def test_saved_logits_set_back_land_where_they_were_read(llm) -> None:
+    """The logits have one row per generated token, the first at the prompt's last position:
+    a `Save("logits")` of a clean run set into a corrupted one gives each sampled row the clean
+    run's, so the corrupted prompt generates the clean run's tokens."""
+    (clean_out,) = llm.generate([_tokens(CLEAN)], _params(5), interventions=[
+        ops.Save("logits")], use_tqdm=False)
+    logits = clean_out.saved["logits"]
+    assert logits.shape[1] == 5
+    (out,) = llm.generate([_tokens(CORRUPT)], _params(5), interventions=[
+        ops.Set("logits", logits), ops.Save("logits")], use_tqdm=False)
+    assert out.error is None, out.error
+    assert list(out.outputs[0].token_ids) == list(clean_out.outputs[0].token_ids)
+    assert torch.equal(out.saved["logits"], logits)
+    (last,) = llm.generate([_tokens(CORRUPT)], _params(5), interventions=[
+        ops.Set("logits", logits[:, 2:3], positions=(len(CORRUPT) + 1,)),
+        ops.Save("logits")], use_tqdm=False)
+    assert last.error is None, last.error
+    assert torch.equal(last.saved["logits"][0, 2], logits[0, 2])

@@ -40,7 +40,13 @@ from vllm_runner.op_data import (
     tensor_from_data,
     tensor_to_data,
 )
-from vllm_runner.per_position import named_positions, operand_at, rows_axis, uncovered
+from vllm_runner.per_position import (
+    first_row_position,
+    named_positions,
+    operand_at,
+    rows_axis,
+    uncovered,
+)
 
 if TYPE_CHECKING:
     from vllm_runner.serving import Visit
@@ -440,24 +446,26 @@ class EditOp(RowOp):
         operand = self.operand
         return operand is None or rows_axis(operand, current.dim(), token_axis) is None
 
-    def position_misfit(self, prompt_length: int, layout: tuple[str, ...],
+    def position_misfit(self, prompt_length: int, location: str, layout: tuple[str, ...],
                         token_axis: int | None) -> str | None:
         """Why the op's per-position tensor can never serve a `positions=` entry on a prompt of
-        `prompt_length` tokens at a value of axes `layout` (it has no row for it), or `None`:
+        `prompt_length` tokens at `location`, a value of axes `layout` (it has no row for it), or
+        `None`:
         known before the request runs."""
         operand = self.operand
         if operand is None or token_axis is None:
             return None
-        missing = uncovered(operand, len(layout), token_axis, self.positions, prompt_length)
+        first = first_row_position(location, prompt_length)
+        missing = uncovered(operand, len(layout), token_axis, self.positions, prompt_length, first)
         if not missing:
             return None
         rows = operand.shape[rows_axis(operand, len(layout), token_axis) or 0]
         return (f"{self.kind} at {self.location}: its {self.OPERAND} has {rows} rows along "
                 f"[{' '.join(layout)}]'s tokens axis, one per position, but positions names "
                 f"{len(named_positions(self.positions, prompt_length) or ())} positions and "
-                f"{missing} are not among 0..{rows - 1}; give one row per position named (in "
-                f"increasing order, as Save(positions=...) returns them), or rows for every "
-                f"position from 0")
+                f"{missing} are not among {first}..{first + rows - 1}; give one row per "
+                f"position named (in increasing order, as Save(positions=...) returns them), or "
+                f"rows for every position from {first}")
 
     def serve(self, visit: Visit) -> None:
         """Edit the request's rows it keeps and write them back; a non-finite result fails the
@@ -482,7 +490,8 @@ class EditOp(RowOp):
                         visit.value.eproperty.layout, self.operand_name,
                         (tuple(operand.shape), tuple(current.shape)))
                 operand, covered = operand_at(operand, rows, positions, self.positions,
-                                              prompt_length)
+                                              prompt_length,
+                                              first_row_position(visit.location, prompt_length))
                 if not bool(covered.any()):
                     return  # no row of this step has a row of the tensor
                 keep = covered if keep is None else keep & covered.to(keep.device)

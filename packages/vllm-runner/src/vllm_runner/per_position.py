@@ -15,6 +15,10 @@ So a saved value patched back with the same `positions` (or none) lands where it
 whichever step each position runs (prompt chunks, decode steps, recompute after preemption).
 Positions the operand has no row for are left as they are; a `positions=` entry it has no row
 for is refused before the request runs (`uncovered`).
+
+The logits have one row per sampled position, the first at the prompt's last position, and a
+`Save("logits")` starts there: their operand's row `i` goes to position `prompt_length - 1 + i`
+(`first_row_position`), so saved logits set back land where they were read too.
 """
 
 from __future__ import annotations
@@ -40,31 +44,43 @@ def named_positions(positions: tuple[int, ...] | None, prompt_length: int) -> li
     return sorted({p + prompt_length if p < 0 else p for p in positions})
 
 
+#: The value whose rows are the sampled positions, the first at the prompt's last.
+SAMPLED_ROWS = "logits"
+
+
+def first_row_position(location: str, prompt_length: int) -> int:
+    """The position an operand's row 0 goes to at `location`, without `positions=`."""
+    return prompt_length - 1 if location == SAMPLED_ROWS else 0
+
+
 def row_of_each(position: torch.Tensor, rows: int, positions: tuple[int, ...] | None,
-                prompt_length: int) -> torch.Tensor:
+                prompt_length: int, first: int = 0) -> torch.Tensor:
     """The operand row each of `position` (absolute positions, int64) takes, or -1 where the
-    operand has none (see the module's docstring for the rule)."""
+    operand has none (see the module's docstring for the rule; `first`: the position row 0
+    goes to without `positions=`)."""
     named = named_positions(positions, prompt_length)
     if named is not None and len(named) == rows:
         table = torch.tensor(named, dtype=torch.long)
         found = torch.searchsorted(table, position)
         hit = (found < rows) & (table[found.clamp(max=rows - 1)] == position)
         return torch.where(hit, found, -1)
-    return torch.where((position >= 0) & (position < rows), position, -1)
+    row = position - first
+    return torch.where((row >= 0) & (row < rows), row, -1)
 
 
 def operand_at(operand: torch.Tensor, axis: int, position: torch.Tensor,
-               positions: tuple[int, ...] | None, prompt_length: int
+               positions: tuple[int, ...] | None, prompt_length: int, first: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The operand's rows for `position` (one per row of the step, along `axis`; a row with no
     operand row gets row 0, to be left out) and which rows have one (bool, per row)."""
-    row = row_of_each(position, operand.shape[axis], positions, prompt_length)
+    row = row_of_each(position, operand.shape[axis], positions, prompt_length, first)
     covered = row >= 0
     return operand.index_select(axis, row.clamp(min=0).to(operand.device)), covered
 
 
 def uncovered(operand: torch.Tensor, value_dims: int, token_axis: int,
-              positions: tuple[int, ...] | None, prompt_length: int) -> list[int]:
+              positions: tuple[int, ...] | None, prompt_length: int, first: int = 0
+              ) -> list[int]:
     """The positions `positions` names (absolute, for a prompt of `prompt_length` tokens) that
     a per-position operand has no row for; empty where it covers them all, names none, or is
     not per-position."""
@@ -75,4 +91,4 @@ def uncovered(operand: torch.Tensor, value_dims: int, token_axis: int,
     rows = operand.shape[axis]
     if len(named) == rows:
         return []
-    return [p for p in named if p >= rows]
+    return [p for p in named if not first <= p < first + rows]

@@ -324,7 +324,7 @@ class Runtime:
                 continue  # refused where the location is served (`never_ran`)
             for location in locations:
                 value = self.values[location]
-                problem = op.position_misfit(prompt_length, value.eproperty.layout,
+                problem = op.position_misfit(prompt_length, location, value.eproperty.layout,
                                              token_axis_of(value))
                 if problem is not None:
                     return problem
