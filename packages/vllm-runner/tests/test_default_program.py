@@ -56,6 +56,7 @@ def test_a_default_program_runs_where_a_call_names_none_until_changed(restored) 
                    temperature=0.0, logprobs=2) as t:  # a trace runs it before its own ops
         t.model.layers[0].layer_output.save()
     scaled = _run(llm, interventions=[ops.Scale(STREAM, 0.5)])
+    assert scaled.outputs[0].logprobs != plain.outputs[0].logprobs
     assert t.output.outputs[0].logprobs == scaled.outputs[0].logprobs
     llm.default_interventions = []
     assert _run(llm).outputs[0].logprobs == plain.outputs[0].logprobs

@@ -127,6 +127,15 @@ def test_a_patch_is_the_same_beside_other_requests_and_chunked(llm, reference) -
                                {p: long_clean[0, p] for p in (0, 17, 39)})
     assert_logits_match_oracle(reference, outs[3], CORRUPT, STREAM,
                                {p: clean[0, p] for p in range(len(CORRUPT))})
+    # The requests beside them: the saving one's values and the plain one's tokens unpatched.
+    saving = CORRUPT + list(outs[1].outputs[0].token_ids)[:-1]
+    with torch.no_grad():
+        unpatched = reference(torch.tensor([saving]), output_hidden_states=True)
+    assert (outs[1].saved["layers.0.layer_output"] - unpatched.hidden_states[1]).abs().max() \
+        <= TOLERANCE
+    plain = CLEAN + list(outs[2].outputs[0].token_ids)[:-1]
+    expected = oracle_logits(reference, plain, STREAM, {})[len(CLEAN) - 1:]
+    assert list(outs[2].outputs[0].token_ids) == expected.argmax(-1).tolist()
 
 
 def test_rows_saved_at_some_positions_patch_those_positions(llm, reference) -> None:

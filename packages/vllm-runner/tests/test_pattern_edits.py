@@ -14,7 +14,6 @@ from conftest import PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LocationError, ops
-from vllm_runner.pattern_edits import head_outputs
 
 PROBABILITIES = "layers.1.self_attn.attention_probabilities"
 SCORES = "layers.1.self_attn.attention_scores"
@@ -109,7 +108,6 @@ def test_a_scaled_pattern_on_the_prompt_only_and_saves_see_the_edit(llm, referen
                             ops.Save(PROBABILITIES, steps="prefill"),
                             ops.Save("layers.1.self_attn.attention_head_outputs",
                                      steps="prefill"),
-                            ops.Save("layers.1.self_attn.attention_values"),
                             ops.Save("logits")]], prompts=[prompt])
 
     def halve_prompt_rows(weights):
@@ -122,10 +120,16 @@ def test_a_scaled_pattern_on_the_prompt_only_and_saves_see_the_edit(llm, referen
     saved = output.saved[PROBABILITIES]
     assert saved.shape == plain.shape
     assert (saved - 0.5 * plain).abs().max() <= TOLERANCE
-    values = output.saved["layers.1.self_attn.attention_values"][:, :, :len(prompt)]
-    expected = head_outputs(saved, values)
-    assert (output.saved["layers.1.self_attn.attention_head_outputs"] - expected).abs().max() \
-        <= TOLERANCE
+    captured = []
+    handle = reference.model.layers[LAYER].self_attn.o_proj.register_forward_pre_hook(
+        lambda module, args: captured.append(args[0]))
+    try:
+        with torch.no_grad(), edited_eager_attention(LAYER, probabilities=halve_prompt_rows):
+            reference(torch.tensor([prompt]))
+    finally:
+        handle.remove()
+    heads = output.saved["layers.1.self_attn.attention_head_outputs"]
+    assert (heads.flatten(2) - captured[0]).abs().max() <= TOLERANCE
 
 
 def test_masking_a_key_on_the_scores_equals_transformers(llm, reference) -> None:
@@ -142,6 +146,38 @@ def test_masking_a_key_on_the_scores_equals_transformers(llm, reference) -> None
     (output,) = _run(llm, [[ops.Call(SCORES, edit), ops.Save("logits")]],
                      prompts=[PROMPTS[1]])
     _assert_oracle(reference, output, PROMPTS[1], scores=mask)
+
+
+def test_scores_and_probabilities_of_one_layer_are_one_pattern(llm, reference) -> None:
+    """A program that masks a key on the scores, then halves the probabilities: the second
+    edit starts from the first (the softmax of the masked scores), a save of the probabilities
+    sees both, and the logits are transformers' with both edits."""
+    def mask(scores):
+        scores[..., 1:, 0] = float("-inf")
+        return scores
+
+    def halve(weights):
+        return weights * 0.5
+
+    def edit(scores, ctx):
+        scores[:, :, ctx.positions > 0, 0] = float("-inf")
+
+    (output,) = _run(llm, [[ops.Call(SCORES, edit), ops.Scale(PROBABILITIES, 0.5),
+                            ops.Save(PROBABILITIES, steps="prefill"), ops.Save("logits")]],
+                     prompts=[PROMPTS[1]])
+    _assert_oracle(reference, output, PROMPTS[1], scores=mask, probabilities=halve)
+    with torch.no_grad(), edited_eager_attention(LAYER, scores=mask, probabilities=halve):
+        weights = reference(torch.tensor([PROMPTS[1]]), output_attentions=True).attentions[LAYER]
+    assert (output.saved[PROBABILITIES] - weights).abs().max() <= TOLERANCE
+
+
+def test_a_call_that_only_reads_a_read_only_value_still_runs(llm) -> None:
+    """A `Call` may only read: at a value no edit can take it is not refused (its write
+    would be, if it made one)."""
+    outputs = _run(llm, [[ops.Call("next_token_probs", lambda value, ctx: value.amax(-1),
+                                   saves="top")]], prompts=[PROMPTS[0]])
+    assert outputs[0].error is None, outputs[0].error
+    assert outputs[0].saved["next_token_probs.top"].shape == (1, GENERATED)
 
 
 def test_edits_no_value_can_take_are_refused_before_anything_runs(llm) -> None:
@@ -162,8 +198,9 @@ def test_an_edit_of_a_pattern_that_breaks_it_fails_its_request_alone(llm) -> Non
 
     bad, good = _run(llm, [[ops.Call(PROBABILITIES, poison)], [ops.Save("logits")]],
                      prompts=[PROMPTS[1], PROMPTS[1]])
-    assert bad.error is not None and "the edited " + PROBABILITIES in bad.error, bad.error
-    assert "NaN" in bad.error, bad.error
+    assert bad.error is not None, "a NaN pattern was written"
+    assert "the edited attention of layers.1.self_attn" in bad.error, bad.error
+    assert "non-finite values" in bad.error and "nothing was written" in bad.error, bad.error
     assert good.error is None
     (alone,) = _run(llm, [[ops.Save("logits")]], prompts=[PROMPTS[1]])
     # Equal up to rounding: compiled, the batch ran the module tree and the request alone

@@ -59,15 +59,26 @@ def test_a_calls_returned_scores_land_in_saved_per_position(llm, reference) -> N
 
 
 def test_a_call_may_return_a_dict_and_edit_in_place_too(llm, reference) -> None:
-    """A dict of results lands under `{location}.{name}.{key}`; a rowwise call's results are
-    kept as well (served request by request)."""
-    (output,) = _run(llm, [[ops.Call(STREAM, norms_and_scores, saves="seen", rowwise=True)],
-                           [], []])[:1]
+    """A dict of results lands under `{location}.{name}.{key}`, computed from the value as
+    lent; the function's in-place edit (here: doubling the stream) still reaches the model,
+    as a later `Save` shows. A rowwise call's results are kept as well (request by request)."""
+    def seen_then_doubled(value, ctx):
+        found = norms_and_scores(value, ctx)
+        value.mul_(2.0)
+        return found
+
+    (output,) = _run(llm, [[ops.Call(STREAM, seen_then_doubled, saves="seen", rowwise=True),
+                            ops.Save(STREAM)], [], []])[:1]
     assert output.error is None, output.error
-    assert set(output.saved) == {f"{STREAM}.seen.norm", f"{STREAM}.seen.scores"}
-    expected = oracle(reference, PROMPTS[0], list(output.outputs[0].token_ids))
-    assert (output.saved[f"{STREAM}.seen.scores"] - expected).abs().max() <= TOLERANCE
-    assert output.saved[f"{STREAM}.seen.norm"].shape == (1, len(PROMPTS[0]) + GENERATED - 1)
+    assert set(output.saved) == {f"{STREAM}.seen.norm", f"{STREAM}.seen.scores", STREAM}
+    tokens = PROMPTS[0] + list(output.outputs[0].token_ids)[:-1]
+    with torch.no_grad():
+        hidden = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states[2]
+    assert (output.saved[f"{STREAM}.seen.scores"] - (hidden @ WEIGHT.T + BIAS)).abs().max() \
+        <= TOLERANCE
+    assert (output.saved[f"{STREAM}.seen.norm"] - hidden.norm(dim=-1)).abs().max() <= TOLERANCE
+    # Layer 1's output at each position depends on earlier layers only: doubled exactly.
+    assert (output.saved[STREAM] - 2.0 * hidden).abs().max() <= 2 * TOLERANCE
 
 
 def test_a_result_of_the_wrong_shape_fails_its_request_naming_the_shape(llm) -> None:
@@ -111,14 +122,13 @@ def test_a_probe_at_a_value_of_another_width_fails_its_request(llm) -> None:
     assert output.error is not None and "weight is [3, 128]" in output.error, output.error
 
 
-def test_the_trace_form_takes_a_probe(llm) -> None:
+def test_the_trace_form_takes_a_probe(llm, reference) -> None:
     """`t.model.layers[1].layer_output.probe(weight)` in nnsight's style is the same `Probe`."""
     prompt = TokensPrompt(prompt_token_ids=PROMPTS[0])
     with llm.trace(prompt, max_tokens=GENERATED, temperature=0.0) as t:
         scores = t.model.layers[1].layer_output.probe(WEIGHT, BIAS, tokens=(PROMPTS[0][2],))
-    (expected,) = llm.generate([prompt], SamplingParams(max_tokens=GENERATED, temperature=0.0),
-                               interventions=[ops.Probe(STREAM, WEIGHT, BIAS,
-                                                        tokens=(PROMPTS[0][2],))],
-                               use_tqdm=False)
-    assert torch.equal(scores.value, expected.saved[f"{STREAM}.probe"])
-    assert scores.value.shape[1] >= 1
+    sequence = PROMPTS[0] + list(t.output.outputs[0].token_ids)[:-1]
+    matching = [p for p, token in enumerate(sequence) if token == PROMPTS[0][2]]
+    expected = oracle(reference, PROMPTS[0], list(t.output.outputs[0].token_ids))[0, matching]
+    assert scores.value.shape == (1, len(matching), 3)
+    assert (scores.value[0] - expected).abs().max() <= TOLERANCE

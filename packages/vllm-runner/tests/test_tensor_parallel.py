@@ -85,6 +85,12 @@ if __name__ == "__main__":
                          use_tqdm=False)
     edits = llm.generate(tokens, params, interventions=EDITS, use_tqdm=False)
     rowwise = llm.generate(tokens, params, interventions=ROWWISE, use_tqdm=False)
+    try:  # an edited pattern needs every rank's values: refused before it runs (issue [Q])
+        llm.generate(tokens[:1], params, use_tqdm=False, interventions=[
+            ops.Scale("layers.1.attention_probabilities", 0.5)])
+        pattern_refusal = None
+    except Exception as error:
+        pattern_refusal = f"{type(error).__name__}: {error}"
     def completions(outputs):
         return [(list(o.outputs[0].token_ids),
                  [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs])
@@ -92,7 +98,8 @@ if __name__ == "__main__":
     torch.save({"catalogue": catalogue, "forwards": llm.forwards(),
                 "saved": [o.saved for o in saves],
                 "errors": [o.error for o in saves + edits + rowwise],
-                "edits": completions(edits), "rowwise": completions(rowwise)}, out)
+                "edits": completions(edits), "rowwise": completions(rowwise),
+                "pattern_refusal": pattern_refusal}, out)
     print("RESULT ok")
 """
 
@@ -126,6 +133,12 @@ def _run_tp1(llm, interventions):
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
                         interventions=interventions, use_tqdm=False)
+
+
+def test_an_edited_pattern_is_refused_at_two_ranks(tp2: dict) -> None:
+    assert tp2["pattern_refusal"] is not None
+    assert tp2["pattern_refusal"].startswith("LocationError")
+    assert "tensor_parallel_size=1" in tp2["pattern_refusal"], tp2["pattern_refusal"]
 
 
 def test_every_value_equals_tp1(llm, tp2: dict) -> None:

@@ -75,20 +75,40 @@ def test_saves_and_edits_act_where_a_token_appears(llm, reference) -> None:
 
 
 def test_tokens_with_steps_and_a_probe_keep_only_both(llm, reference) -> None:
-    """`tokens` with `steps="prefill"` keeps the prompt's matches only; a `Probe` and a `Lens`
-    take the filter too."""
+    """`tokens` with `steps="prefill"` keeps the prompt's matches only, though a generated
+    token matches too; a `Probe` takes the filter, and a `Lens` with `positions` keeps the
+    positions both name."""
+    (plain,) = _run(llm, [[]])
+    generated = list(plain.outputs[0].token_ids)
+    trigger = generated[1]
     weight = torch.randn(128, generator=torch.Generator().manual_seed(32))
-    (output,) = _run(llm, [[ops.Save(STREAM, tokens=(7,), steps="prefill"),
-                            ops.Probe(STREAM, weight, tokens=(7,)),
-                            ops.Lens(STREAM, top_k=2, tokens=(7,), positions=(5, 9))]])
+    (output,) = _run(llm, [[ops.Save(STREAM, tokens=(7, trigger), steps="prefill"),
+                            ops.Probe(STREAM, weight, tokens=(7, trigger)),
+                            ops.Lens(STREAM, top_k=2, tokens=(7,), positions=(4, 5, 9))]])
     assert output.error is None, output.error
     sequence = PROMPT + list(output.outputs[0].token_ids)[:-1]
+    assert sequence == PROMPT + generated[:-1]
     hidden, _ = _hidden(reference, sequence)
-    assert (output.saved[STREAM][0] - hidden[0, [1, 5, 9]]).abs().max() <= TOLERANCE
-    every_seven = [p for p, token in enumerate(sequence) if token == 7]
-    expected = hidden[0, every_seven] @ weight
+    in_prompt = [p for p in range(len(PROMPT)) if sequence[p] in (7, trigger)]
+    everywhere = [p for p, token in enumerate(sequence) if token in (7, trigger)]
+    assert len(everywhere) > len(in_prompt), "no generated match: steps= proves nothing"
+    assert output.saved[STREAM].shape[1] == len(in_prompt)
+    assert (output.saved[STREAM][0] - hidden[0, in_prompt]).abs().max() <= TOLERANCE
+    expected = hidden[0, everywhere] @ weight
     assert (output.saved[f"{STREAM}.probe"][0] - expected).abs().max() <= TOLERANCE
-    assert output.saved[f"{STREAM}.lens_tokens"].shape == (1, 2, 2)
+    assert output.saved[f"{STREAM}.lens_tokens"].shape == (1, 2, 2)  # 5 and 9, not 4
+
+
+def test_tokens_at_the_logits_and_one_name_saved_twice_are_refused_before_running(llm) -> None:
+    """The logits have one row per sampled position, not per token run: `tokens=` there is
+    refused; two probes saving under one name would lose one: refused, naming both."""
+    from vllm_runner import LocationError
+
+    with pytest.raises(LocationError, match="tokens= is not taken"):
+        _run(llm, [[ops.Save("logits", tokens=(7,))]])
+    weight = torch.ones(128)
+    with pytest.raises(LocationError, match="as op 0 of the program does"):
+        _run(llm, [[ops.Probe(STREAM, weight), ops.Probe("layers.*.layer_output", weight)]])
 
 
 @pytest.mark.parametrize("tokens, message", [((), "non-empty"), ((-1,), "whole numbers >= 0"),

@@ -21,7 +21,7 @@ from vllm_runner import wire
 from vllm_runner.engine_start import choose_defaults
 from vllm_runner.errors import LocationError
 from vllm_runner.llm import as_prompt_dict, prepare_engine
-from vllm_runner.locations import refuse_edits_that_cannot_be_served
+from vllm_runner.locations import refuse_what_cannot_be_served
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
@@ -127,7 +127,7 @@ class AsyncLLM:
             raise ValueError(f"SamplingParams(n={params.n}) with interventions: the {params.n} "
                              "samples would share one program's saves; send n requests")
         answer = await self._resolution([pattern for op in ops for pattern in op.patterns()])
-        refuse_edits_that_cannot_be_served([ops], answer)
+        refuse_what_cannot_be_served([ops], answer)
         model_config = self.engine.model_config
         for op in ops:
             check_op_fits(op, int(model_config.get_vocab_size()),

@@ -26,7 +26,7 @@ from vllm_runner import engine_rpc, vllm_client, wire
 from vllm_runner.compat import check_version
 from vllm_runner.engine_start import eager_by_default, start
 from vllm_runner.errors import EngineDied, LocationError, TapsRefused
-from vllm_runner.locations import refuse_edits_that_cannot_be_served
+from vllm_runner.locations import refuse_what_cannot_be_served
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
@@ -340,7 +340,7 @@ class LLM:
         which knows the prompt's length)."""
         answer = self._resolution([pattern for ops in programs for op in ops
                                    for pattern in op.patterns()])
-        refuse_edits_that_cannot_be_served(programs, answer)
+        refuse_what_cannot_be_served(programs, answer)
         longest = self.engine.llm_engine.model_config.max_model_len
         for op in {id(op): op for ops in programs for op in ops}.values():
             check_op_fits(op, self.vocab_size, longest)

@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm_runner.errors import LocationError
+from vllm_runner.ops import Call, EditOp, Op, Probe
+from vllm_runner.step_plan import PER_SAMPLED_ROW
 
 
 def _layer_indices(selector: str, layers: int, pattern: str) -> list[int]:
@@ -58,20 +60,43 @@ def resolve(pattern: str, canonical: Iterable[str], layers: int) -> list[str]:
     raise LocationError(f"{pattern!r} is not a location of this model{hint}")
 
 
-def refuse_edits_that_cannot_be_served(programs: Iterable[Iterable[Any]],
-                                       answer: dict[str, Any]) -> None:
-    """Raise `LocationError` for the first editing op of `programs` that names a location an
-    edit can never be served at, with the reason (`answer`: the workers' `interp_resolve` for
-    every pattern of the programs); before anything runs."""
+
+def unservable(ops: Sequence[Op], acting_at: Sequence[Sequence[str]],
+               edit_refusals: Mapping[str, str]) -> tuple[int, str] | None:
+    """The first op of one program that can never be served as written, with why, or `None`:
+    an edit (`EditOp`) at a location no edit can be served at (`edit_refusals`: location →
+    reason, from the workers' `interp_resolve`), a `tokens=` filter at a sampled-row value, or
+    a result name two ops would both save under (one would overwrite the other).
+    `acting_at[i]` are the canonical locations op `i` acts at."""
+    named: dict[str, int] = {}
+    for index, (op, locations) in enumerate(zip(ops, acting_at, strict=True)):
+        for location in locations:
+            if isinstance(op, EditOp) and location in edit_refusals:
+                return index, f"{type(op).__name__} at {location}: {edit_refusals[location]}"
+            if getattr(op, "tokens", None) is not None and location in PER_SAMPLED_ROW:
+                return index, (f"{type(op).__name__} at {location}: tokens= is not taken at a "
+                               "value of one row per sampled position; filter it with "
+                               "positions= or steps=")
+            if isinstance(op, (Probe, Call)):
+                for name in op.saved_names(location):
+                    if name in named:
+                        return index, (f"{type(op).__name__} at {location} saves {name!r}, as "
+                                       f"op {named[name]} of the program does: give each a name "
+                                       "of its own (name= or saves=)")
+                    named[name] = index
+    return None
+
+
+def refuse_what_cannot_be_served(programs: Iterable[Sequence[Op]],
+                                 answer: dict[str, Any]) -> None:
+    """Raise `LocationError` for the first op of `programs` that can never be served
+    (`unservable`), naming it and why; `answer` is the workers' `interp_resolve` for every
+    pattern of the programs. Before anything runs."""
     refusals = answer.get("edit_refusals") or {}
-    if not refusals:
-        return
+    resolved = answer["resolved"]
     for ops in programs:
-        for op in ops:
-            if not op.edits or op.kind == "skip":
-                continue
-            for pattern in op.patterns():
-                for location in answer["resolved"].get(pattern, ()):
-                    if location in refusals:
-                        raise LocationError(f"{type(op).__name__}({pattern!r}): "
-                                            f"{refusals[location]}")
+        acting_at = [[location for pattern in op.patterns() for location in resolved[pattern]]
+                     for op in ops]
+        found = unservable(ops, acting_at, refusals)
+        if found is not None:
+            raise LocationError(found[1])

@@ -154,11 +154,12 @@ class RowOp(Op):
         if self.tokens is None:
             return None
         ids = visit.services.token_ids
-        if ids is None:
-            raise ValueError(f"{self.kind} with tokens=: the step's token ids were not seen "
-                             "(the model's embedding did not run this forward); this is a bug "
-                             "of vllm-runner: please report it")
         span = visit.want.span
+        if ids is None or ids.shape[0] < span.stop:
+            raise ValueError(f"{self.kind} with tokens=: the step's token ids were not seen "
+                             "whole where the model embeds them (an engine that embeds its "
+                             "prompts before the forward: multimodal models, prompt "
+                             "embeddings); tokens= is not served there, use positions=")
         wanted = torch.tensor(self.tokens, dtype=ids.dtype).to(ids.device, non_blocking=True)
         return torch.isin(ids[span.start:span.stop], wanted)
 
@@ -393,9 +394,9 @@ class Probe(RowOp):
             layout = " ".join(visit.value.eproperty.layout)
             raise ValueError(f"a probe needs a value with one row per token along its second "
                              f"axis; {visit.location} is [{layout}]")
-        found = [(first, self.scores(rows)) for first, rows in self.kept_reads(visit)]
-        if not visit.services.keeps_saves:
+        if not visit.services.keeps_saves:  # only rank 0 keeps saves
             return
+        found = [(first, self.scores(rows)) for first, rows in self.kept_reads(visit)]
         name = self.saved_names(visit.location)[0]
         store, program_id = visit.services.store, visit.want.program_id
         if not found:  # nothing kept this step: saved once with no rows, as `Save` does
@@ -438,13 +439,13 @@ class EditOp(RowOp):
         the rows of `current`."""
         raise NotImplementedError(type(self).__name__)
 
-    def same_on_every_row(self, current: torch.Tensor, token_axis: int) -> bool:
-        """Whether the edit is the same for every row (its tensor, if any, does not extend
-        along the tokens axis): only then is editing many requests' rows at once the same as
-        editing each request's (a per-position tensor is matched to each request's own
-        positions: `per_position`)."""
+    def same_on_every_row(self, value_dims: int, token_axis: int) -> bool:
+        """Whether the edit is the same for every row of a value of `value_dims` axes (its
+        tensor, if any, does not extend along the tokens axis): only then is editing many
+        requests' rows at once the same as editing each request's (a per-position tensor is
+        matched to each request's own positions: `per_position`)."""
         operand = self.operand
-        return operand is None or rows_axis(operand, current.dim(), token_axis) is None
+        return operand is None or rows_axis(operand, value_dims, token_axis) is None
 
     def position_misfit(self, prompt_length: int, location: str, layout: tuple[str, ...],
                         token_axis: int | None) -> str | None:
@@ -485,6 +486,12 @@ class EditOp(RowOp):
             positions = span.first_position + torch.arange(current.shape[axis])
             if operand is not None and (rows := rows_axis(operand, current.dim(), axis)) \
                     is not None:
+                if "query" in visit.value.eproperty.layout:
+                    raise ValueError(f"{self.operand_name} has {operand.shape[rows]} rows along "
+                                     "the pattern's query axis: an attention pattern takes no "
+                                     "value per position (its key axis grows with every "
+                                     "step); give one that broadcasts over the queries, or "
+                                     "edit it with a Call")
                 # The axes beside the tokens axis are checked as given, naming its shape.
                 _fitted(operand.narrow(rows, 0, 1), current.narrow(axis, 0, 1),
                         visit.value.eproperty.layout, self.operand_name,
@@ -545,11 +552,13 @@ def _fitted(tensor: torch.Tensor, current: torch.Tensor, layout: tuple[str, ...]
         fits = False
     if not fits:  # e.g. a last axis that is not the value's
         given, step = shown or (tuple(tensor.shape), tuple(current.shape))
+        per_position = ", ".join("positions" if name == "tokens" else str(size)
+                                 for name, size in zip(layout, step, strict=False))
         raise ValueError(
             f"{what} has shape {given}, which does not broadcast over the value "
             f"[{' '.join(layout)}] (this step: {step}); e.g. give "
-            f"[{step[-1]}] for a vector along its last axis, or [1, positions, {step[-1]}] "
-            f"for one row per position")
+            f"[{step[-1]}] for a vector along its last axis"
+            + (f", or [{per_position}] for one row per position" if "tokens" in layout else ""))
     return tensor
 
 

@@ -79,20 +79,25 @@ def head_outputs(probabilities: torch.Tensor, values: torch.Tensor) -> torch.Ten
 
 @dataclass
 class PendingPattern:
-    """A request's edited pattern at one layer this step, and its values so far."""
+    """A request's edited attention at one layer this step: the probabilities its output is
+    made from, the scores as last edited (`None` where only the probabilities were), and its
+    values so far."""
 
-    pattern: torch.Tensor
+    probabilities: torch.Tensor
+    scores: torch.Tensor | None
     values: torch.Tensor
-    probabilities: bool
-    module: Any
 
 
 class EditedPatterns:
     """Per request and attention layer: the values of every position so far (for a request
-    whose program edits that layer's pattern), and this step's edited patterns until the
-    layer's output takes them."""
+    whose program may edit that layer's pattern), and this step's edited attention until the
+    layer's output takes it. Scores and probabilities of one layer are one pattern: an edit of
+    the scores is seen by a later read of the probabilities (through the layer's softmax), and
+    the output is made from the last edit of either."""
 
-    def __init__(self) -> None:
+    def __init__(self, tensor_parallel: bool = False) -> None:
+        #: At more than one rank the values here would be one rank's piece: no edit is served.
+        self.tensor_parallel = tensor_parallel
         self._values: dict[tuple[str, str], torch.Tensor] = {}
         self._pending: dict[tuple[str, str], PendingPattern] = {}
 
@@ -101,6 +106,8 @@ class EditedPatterns:
         """Keep the request's values of this step's positions (the layer's input rows `rows`)
         after those of earlier positions; a recomputed position (after preemption) replaces
         what was kept."""
+        if self.tensor_parallel:
+            return
         host = pattern.host
         step_values = getattr(host, VALUES).read(rows, step)  # [1, kv_heads, tokens, head_dim]
         held_at = (program_id, host.location)
@@ -118,37 +125,48 @@ class EditedPatterns:
         """Whether some request edited a pattern this step (reads look for it only then)."""
         return bool(self._pending)
 
-    def pending(self, program_id: str, location: str) -> torch.Tensor | None:
-        """The request's pattern at `location` as edited so far this step, if it was."""
-        found = self._pending.get((program_id, location))
-        return None if found is None else found.pattern
+    def pending(self, program_id: str, pattern: Value) -> torch.Tensor | None:
+        """The request's `pattern` (scores or probabilities) as edited so far this step at its
+        layer, if it was: scores only where the scores were edited."""
+        found = self._pending.get((program_id, pattern.host.location))
+        if found is None:
+            return None
+        codec = pattern.eproperty.codec
+        assert isinstance(codec, Pattern)
+        return found.probabilities if codec.probabilities else found.scores
 
     def edit(self, visit: Visit, edited: torch.Tensor) -> None:
         """Take a request's edited pattern (its shape as read), to be served at the layer's
-        output; later reads of the pattern in this step see it."""
+        output; later reads of the layer's pattern in this step see it."""
+        if self.tensor_parallel:
+            raise ValueError(edit_refusal(visit.value, {}, tensor_parallel=True))
         current = visit.read()
         if tuple(edited.shape) != tuple(current.shape):
             raise ValueError(f"{visit.location}: an edited pattern must keep its shape "
                              f"{tuple(current.shape)} (as read), not {tuple(edited.shape)}")
-        host = visit.value.host
-        values = self._values.get((visit.want.program_id, host.location))
+        held_at = (visit.want.program_id, visit.value.host.location)
+        values = self._values.get(held_at)
         if values is None:
             raise ValueError(f"{visit.location}: no values were kept for this request")
         codec = visit.value.eproperty.codec
         assert isinstance(codec, Pattern)
-        self._pending[(visit.want.program_id, visit.location)] = PendingPattern(
-            edited.detach().to(current.dtype), values, codec.probabilities, visit.value.module)
+        edited = edited.detach().to(current.dtype)
+        if codec.probabilities:
+            before = self._pending.get(held_at)
+            self._pending[held_at] = PendingPattern(
+                edited, None if before is None else before.scores, values)
+        else:
+            probabilities = probabilities_from(edited, visit.value.module).to(current.dtype)
+            self._pending[held_at] = PendingPattern(probabilities, edited, values)
 
-    def output(self, program_id: str, location: str) -> torch.Tensor | None:
-        """The head outputs `[1, query, heads, head_dim]` of the request's edited pattern at
-        `location`, taken (`None` where it edited none this step)."""
-        found = self._pending.pop((program_id, location), None)
+    def output(self, program_id: str, layer: str) -> torch.Tensor | None:
+        """The head outputs `[1, query, heads, head_dim]` of the request's edited attention at
+        the attention layer `layer`, taken (`None` where it edited none this step)."""
+        found = self._pending.pop((program_id, layer), None)
         if found is None:
             return None
-        probabilities = found.pattern if found.probabilities else probabilities_from(
-            found.pattern, found.module)
-        keys = probabilities.shape[-1]
-        return head_outputs(probabilities, found.values[:, :, :keys])
+        keys = found.probabilities.shape[-1]
+        return head_outputs(found.probabilities, found.values[:, :, :keys])
 
     def end_step(self) -> None:
         """Forget the step's edits (a layer whose output never ran took none)."""
@@ -164,15 +182,17 @@ class EditedPatterns:
 
 @dataclass(frozen=True)
 class PatternOutput(Op):
-    """The worker's own op at a layer's head outputs for a request that edits that layer's
-    pattern at `source`: its rows replaced by the edited attention (`EditedPatterns.output`).
-    Never sent by a client; served before the request's own ops there, so a `Save` or an edit
-    of the head outputs sees (and may change) the edited attention."""
+    """The worker's own op at a layer's head outputs for a request that may edit the pattern of
+    attention layer `layer`: its rows replaced by the edited attention
+    (`EditedPatterns.output`). Never sent by a client; one per layer, served before the
+    request's own ops there, so a `Save` or an edit of the head outputs sees (and may change)
+    the edited attention."""
 
-    kind = "pattern_output"
+    kind = "edited_pattern"
 
-    source: str
-    #: Whether the edit at `source` may act past the prompt (`Op.acts_past_the_prompt`).
+    layer: str
+    #: Whether an edit of the layer's pattern may act past the prompt
+    #: (`Op.acts_past_the_prompt`).
     past_the_prompt: bool = True
 
     def acts_past_the_prompt(self) -> bool:
@@ -182,16 +202,18 @@ class PatternOutput(Op):
     def serve(self, visit: Visit) -> None:
         """Write the edited attention into the request's head outputs, if its pattern was
         edited this step."""
-        found = visit.services.patterns.output(visit.want.program_id, self.source)
+        found = visit.services.patterns.output(visit.want.program_id, self.layer)
         if found is not None:
-            visit.write_if_finite(found.to(visit.read().dtype), f"the edited {self.source}")
+            dtype = visit.rows.dtype if isinstance(visit.rows, torch.Tensor) else found.dtype
+            visit.write_if_finite(found.to(dtype), f"the edited attention of {self.layer}")
 
 
 def with_pattern_outputs(ops: tuple[Op, ...], locations_of: Callable[[Op], list[str]],
                          values: dict[str, Value]) -> tuple[Op, ...]:
-    """`ops` with a `PatternOutput` in front for every pattern an editing op names (a
-    program's ops as decoded; unchanged where none edits a pattern)."""
-    added: list[Op] = []
+    """`ops` with a `PatternOutput` in front for every attention layer whose pattern an op that
+    may edit names (a program's ops as decoded; unchanged where none does)."""
+    added: dict[str, bool] = {}  # head outputs location -> acts past the prompt
+    layers: dict[str, str] = {}
     for op in ops:
         if not op.edits or isinstance(op, Skip):
             continue
@@ -203,8 +225,12 @@ def with_pattern_outputs(ops: tuple[Op, ...], locations_of: Callable[[Op], list[
             value = values[location]
             target = sibling(value, HEAD_OUTPUTS)
             if is_pattern(value) and target in values:
-                added.append(PatternOutput(target, location, op.acts_past_the_prompt()))
-    return (*added, *ops) if added else ops
+                added[target] = added.get(target, False) or op.acts_past_the_prompt()
+                layers[target] = value.host.location
+    if not added:
+        return ops
+    return (*(PatternOutput(target, layers[target], past) for target, past in added.items()),
+            *ops)
 
 
 def edits_patterns(ops: Sequence[Op]) -> bool:

@@ -23,10 +23,10 @@ from vllm_runner.graph_steps import GraphStep, GraphSteps
 from vllm_runner.hooks import EMBEDDINGS, SAMPLER_HOOK, TOKEN_IDS, Hooks, TokenIdsHook
 from vllm_runner.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.lens import ModelLens
-from vllm_runner.locations import resolve
+from vllm_runner.locations import resolve, unservable
 from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
-from vllm_runner.ops import EditOp, Op, Skip
-from vllm_runner.pattern_edits import edit_refusal, with_pattern_outputs
+from vllm_runner.ops import EditOp, Op
+from vllm_runner.pattern_edits import PatternOutput, edit_refusal, with_pattern_outputs
 from vllm_runner.program import Program, ProgramCache, ProgramData
 from vllm_runner.repeated_saves import RepeatedSaves
 from vllm_runner.serving import OpGroup, Services, Visits, serve, token_axis_of
@@ -97,6 +97,7 @@ class Runtime:
         # only rank 0 keeps saves: the client collects from rank 0.
         self.services = Services(self.store, self.lens, read_mode(reads), keeps_saves=rank == 0)
         self.sharded = ShardedValues(model, fragments or Fragments())
+        self.services.patterns.tensor_parallel = bool(len(self.sharded.fragments))
         #: Tap patterns refused at start-up, with the reason (`install_taps`).
         self.refused_taps: dict[str, str] = {}
         self._logged_untapped: set[str] = set()  # locations `needs_module_tree` logged
@@ -298,19 +299,18 @@ class Runtime:
         return edit_refusal(self.values[location], self.values, bool(len(self.sharded.fragments)))
 
     def _edit_refused(self, program: Program) -> str | None:
-        """The first edit of `program` at a value it can never edit, with the reason (a client
-        refuses it before sending: `LLM.resolve`; checked here for every client)."""
-        for op in program.ops:
-            if not op.edits or isinstance(op, Skip):
-                continue
-            try:
-                locations = self.locations_of(op)
-            except LocationError:
-                continue
-            for location in locations:
-                if (reason := self.edit_refusal(location)) is not None:
-                    return f"{op.kind} at {location}: {reason}"
-        return None
+        """Why an op of `program` can never be served as written (`locations.unservable`: an
+        edit at a value that takes none, ...), or `None`; a client refuses it before sending,
+        and it is checked here for every client."""
+        ops = [op for op in program.ops if not isinstance(op, PatternOutput)]
+        try:
+            acting_at = [self.locations_of(op) for op in ops]
+        except LocationError:
+            return None  # refused where the location is served
+        refusals = {location: reason for locations in acting_at for location in locations
+                    if (reason := self.edit_refusal(location)) is not None}
+        found = unservable(ops, acting_at, refusals)
+        return None if found is None else found[1]
 
     def _position_misfit(self, program: Program, prompt_length: int) -> str | None:
         """Why an edit's per-position tensor has no row for a position its `positions=` names

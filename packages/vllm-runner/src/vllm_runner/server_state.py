@@ -16,6 +16,7 @@ from vllm import SamplingParams
 from vllm_runner import wire
 from vllm_runner.json_ops import InterventionInputError, ops_from_json, saves_to_json
 from vllm_runner.kept_saves import KeptSaves, OverBudget
+from vllm_runner.locations import unservable
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op, Save
 from vllm_runner.program import encode_ops, program_digest
@@ -132,15 +133,13 @@ class ServerState:
                 found = self._resolved[pattern]
                 if isinstance(found, str):
                     raise InterventionInputError(f"interventions[{index}].location", found)
-                refused = [location for location in found if location in self._edit_refusals]
-                if refused and op.edits and op.kind != "skip":
-                    raise InterventionInputError(f"interventions[{index}].location",
-                                                 self._edit_refusals[refused[0]])
                 acting_at[-1].extend(found)
             try:
                 check_op_fits(op, self.vocab_size, self.max_model_len)
             except ValueError as error:
                 raise InterventionInputError(f"interventions[{index}]", str(error)) from None
+        if (never := unservable(ops, acting_at, self._edit_refusals)) is not None:
+            raise InterventionInputError(f"interventions[{never[0]}]", never[1])
         misfit = check_tensors_fit(ops, acting_at, self.shapes)
         if misfit is not None:
             raise InterventionInputError(*misfit)

@@ -156,8 +156,8 @@ class Visit:
         """The request's value as read (a private copy); a pattern the request edited earlier
         in this step as edited (`pattern_edits`)."""
         patterns = self.services.patterns
-        if patterns.active and (edited := patterns.pending(self.want.program_id,
-                                                           self.location)) is not None:
+        if patterns.active and is_pattern(self.value) and (
+                edited := patterns.pending(self.want.program_id, self.value)) is not None:
             return edited.clone()
         return self.value.read(self.rows, self.want.step)
 
@@ -536,6 +536,8 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
     edited_runs: list[tuple[int, Span, Any, torch.Tensor]] = []  # run's index, rows, edit
     at = 0
     try:
+        if not op.same_on_every_row(len(value.eproperty.layout), token_axis):
+            return False  # a tensor per position: each request's own positions
         for index, (start, stop) in enumerate(selection.runs):
             run = Span(start, stop)
             keep = None if kept is None else kept[at:at + len(run)]
@@ -544,8 +546,6 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
                 continue
             rows = narrow(raw, run, layout)
             current = value.read(rows, step)
-            if not op.same_on_every_row(current, token_axis):
-                return False
             edited = op.edited(current, value.eproperty.layout)
             if keep is not None:
                 edited = with_rows_kept(edited, current, keep, token_axis)
