@@ -224,3 +224,54 @@ def test_pattern_edits_under_tensor_parallelism_are_refused_by_name(llm) -> None
     assert "tensor_parallel_size=1" in found[SCORES]
     assert found["layers.1.self_attn.attention_values"] is None
     assert "read-only" in found["next_token_probs"]
+
+
+COMPILED_SCRIPT = """
+import os, sys, torch
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import LLM, ops
+
+def knock_out(pattern, ctx):
+    pattern[..., 0] = 0.0
+
+if __name__ == "__main__":
+    model_dir, prompts, out = sys.argv[1], eval(sys.argv[2]), sys.argv[3]
+    llm = LLM(model_dir, dtype="float32", gpu_memory_utilization=0.15,
+              kv_cache_memory_bytes=64 << 20, max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=8, block_size=32, seed=0, skip_tokenizer_init=True,
+              enforce_eager=False, taps=[sys.argv[4], "layers.1.self_attn.attention_head_outputs"])
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           SamplingParams(max_tokens=4, temperature=0.0),
+                           interventions=[[ops.Call(sys.argv[4], knock_out), ops.Save("logits")],
+                                          [ops.Save("logits")]], use_tqdm=False)
+    torch.save({"errors": [o.error for o in outputs], "forwards": llm.forwards(),
+                "logits": [o.saved["logits"] for o in outputs]}, out)
+"""
+
+
+@pytest.mark.first_pass_only  # its compiled engine is its own; the suite's is its oracle
+def test_a_pattern_edited_at_taps_of_a_compiled_engine_equals_the_eager_engine(
+        llm, model_dir: str, tmp_path) -> None:
+    """With the pattern and the head outputs tapped, the edit is served by the taps inside the
+    compiled model (no step runs eager) and gives the eager engine's logits."""
+    import subprocess
+    import sys
+
+    from conftest import engine_script_environment
+
+    prompts = [PROMPTS[1], PROMPTS[0]]
+    out = tmp_path / "compiled.pt"
+    completed = subprocess.run(
+        [sys.executable, "-c", COMPILED_SCRIPT, model_dir, repr(prompts), str(out),
+         PROBABILITIES], env=engine_script_environment(), capture_output=True, text=True,
+        timeout=900)
+    assert out.exists(), completed.stderr[-4000:]
+    compiled = torch.load(out)
+    assert compiled["errors"] == [None, None], compiled["errors"]
+    assert compiled["forwards"]["eager"] == 0 < compiled["forwards"]["taps"], compiled["forwards"]
+    eager = _run(llm, [[ops.Call(PROBABILITIES, knock_out_the_first_token), ops.Save("logits")],
+                       [ops.Save("logits")]], prompts=prompts)
+    for got, expected in zip(compiled["logits"], eager, strict=True):
+        assert (got - expected.saved["logits"]).abs().max() <= TOLERANCE
