@@ -136,6 +136,9 @@ class ProgramCache:
         #: every program acts at every step, and the adapters ask no request's program whether
         #: it acts (`Runtime.acts_at`, per request per step).
         self.seen_prompt_only = False
+        #: Whether a program that filters by token (`Program.reads_token_ids`) was ever decoded
+        #: here: until one is, no step looks for one among its requests.
+        self.seen_token_filters = False
 
     def get(self, data: ProgramData) -> Program:
         """The decoded program of `data` (a `ValueError` if it does not decode)."""
@@ -145,6 +148,7 @@ class ProgramCache:
             found = self._programs[program_id] = Program(program_id, data["digest"],
                                                          self._ops(data))
             self.seen_prompt_only = self.seen_prompt_only or found.prompt_only
+            self.seen_token_filters = self.seen_token_filters or found.reads_token_ids
         return found
 
     def _ops(self, data: ProgramData) -> tuple[Op, ...]:

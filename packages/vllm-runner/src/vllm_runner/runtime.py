@@ -432,7 +432,8 @@ class Runtime:
         # `keep_logits_finite`.
         self._guard_logits, self._edited_in_step = self._edited_in_step, False
         self.hooks.sync([*locations, *((SAMPLER_HOOK,) if self._guard_logits else ())])
-        self._token_ids.sync(any(request.program.reads_token_ids for request in requests))
+        self._token_ids.sync(self.programs.seen_token_filters and any(
+            request.program.reads_token_ids for request in requests))
         if self.taps:
             serve_taps(self)
 
