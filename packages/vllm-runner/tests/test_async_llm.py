@@ -62,8 +62,14 @@ async def main():
     async for _ in stream:
         break
     await stream.aclose()
+    # A default program (issue [Q]): a request naming no interventions runs it; [] runs none.
+    engine.default_interventions = [ops.Add("layers.1.layer_output", STEER, scale=8.0)]
+    by_default, none = await asyncio.gather(last(1, None), last(2, []))
+    engine.default_interventions = []
     (held, *_) = await engine.collective_rpc("interp_held")
-    torch.save({"saved": saved.saved, "saved_tokens": list(saved.outputs[0].token_ids),
+    torch.save({"by_default": list(by_default.outputs[0].token_ids),
+                "by_default_error": by_default.error, "none_saved": none.saved,
+                "none": list(none.outputs[0].token_ids),"saved": saved.saved, "saved_tokens": list(saved.outputs[0].token_ids),
                 "steered": list(steered.outputs[0].token_ids), "errors": [
                     saved.error, steered.error, plain.error],
                 "plain": list(plain.outputs[0].token_ids), "plain_saved": plain.saved,
@@ -103,6 +109,8 @@ def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
                                    atol=tolerance / 10)
     assert got["steered"] == list(steered.outputs[0].token_ids)
     assert got["plain"] == list(plain.outputs[0].token_ids) and got["plain_saved"] == {}
+    assert got["by_default"] == got["steered"] and got["by_default_error"] is None
+    assert got["none"] == got["plain"] and got["none_saved"] == {}
     assert got["steered"] != list(llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])],
                                                params, use_tqdm=False)[0].outputs[0].token_ids)
     assert got["held"] == {"requests": 0, "bytes": 0}
