@@ -69,7 +69,8 @@ async def main():
     (held, *_) = await engine.collective_rpc("interp_held")
     torch.save({"by_default": list(by_default.outputs[0].token_ids),
                 "by_default_error": by_default.error, "none_saved": none.saved,
-                "none": list(none.outputs[0].token_ids),"saved": saved.saved, "saved_tokens": list(saved.outputs[0].token_ids),
+                "none": list(none.outputs[0].token_ids),
+                "saved": saved.saved, "saved_tokens": list(saved.outputs[0].token_ids),
                 "steered": list(steered.outputs[0].token_ids), "errors": [
                     saved.error, steered.error, plain.error],
                 "plain": list(plain.outputs[0].token_ids), "plain_saved": plain.saved,
