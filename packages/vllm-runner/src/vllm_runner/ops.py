@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Integral
@@ -175,9 +175,9 @@ class RowOp(Op):
         `None` when the op keeps every position."""
         if not self.filtered:
             return None
-        positions, steps = self.positions, self.steps
-        absolute = None if positions is None else {p + prompt_length if p < 0 else p
-                                                   for p in positions}
+        steps = self.steps
+        named = named_positions(self.positions, prompt_length)
+        absolute = None if named is None else set(named)
 
         def keep(position: int) -> bool:
             if absolute is not None and position not in absolute:
@@ -199,17 +199,10 @@ class RowOp(Op):
             high = min(high, prompt_length)
         elif self.steps == "decode":
             low = max(low, prompt_length)
-        if self.positions is None:
+        named = named_positions(self.positions, prompt_length)
+        if named is None:
             return [(low - first_position, high - first_position)] if low < high else []
-        runs: list[tuple[int, int]] = []
-        for position in sorted({p + prompt_length if p < 0 else p for p in self.positions}):
-            if low <= position < high:
-                offset = position - first_position
-                if runs and runs[-1][1] == offset:
-                    runs[-1] = (runs[-1][0], offset + 1)
-                else:
-                    runs.append((offset, offset + 1))
-        return runs
+        return _runs(position - first_position for position in named if low <= position < high)
 
     def kept_reads(self, visit: Visit) -> list[tuple[int, torch.Tensor]]:
         """`(first position, value)` of each run of the request's rows the op keeps at this
@@ -218,11 +211,34 @@ class RowOp(Op):
         span = visit.want.span
         if not self.filtered or visit.token_axis is None:
             return [(span.first_position, visit.read())]
-        runs = self.kept_runs(span.first_position, len(span), visit.want.step.prompt_length)
-        if (matching := self.token_rows(visit)) is not None and runs:
-            runs = _runs_of(_within(runs, len(span)) & matching.cpu())
+        prompt_length = visit.want.step.prompt_length
+        if (matching := self.token_rows(visit)) is None:
+            runs = self.kept_runs(span.first_position, len(span), prompt_length)
+        else:  # the rows the other filters keep that hold one of the tokens (read on the host)
+            positions = span.first_position + torch.arange(len(span))
+            kept = self.kept_rows(positions, torch.full_like(positions, prompt_length))
+            runs = _runs(map(int, (kept & matching.cpu()).nonzero().flatten()))
         return [(span.first_position + start, visit.read_rows(start, stop))
                 for start, stop in runs]
+
+    def keep_results(self, visit: Visit, names: tuple[str, ...],
+                     found: Sequence[tuple[int, tuple[torch.Tensor, ...]]],
+                     empty: Callable[[torch.device], tuple[torch.Tensor, ...]]) -> None:
+        """Keep what the op computed from each run it kept (`found`: its first position and one
+        tensor per name of `names`, rows along axis 1), on rank 0 only. Where it kept no row this
+        step, one empty piece per name the first time (`empty(device)`, on the value's device:
+        the store joins a request's pieces, one device for all), so that the names come back,
+        empty where no position they name is ever reached."""
+        if not visit.services.keeps_saves:
+            return
+        store, program_id = visit.services.store, visit.want.program_id
+        if not found:
+            if store.has_saves(program_id, names[0]):
+                return
+            found = [(visit.want.span.first_position, empty(visit.device))]
+        for first, results in found:
+            for name, result in zip(names, results, strict=True):
+                store.save(program_id, name, first, result, 1)
 
     def kept_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
         """`keeps` for many rows at once: whether the op acts at each row, given each row's
@@ -322,22 +338,10 @@ class Lens(RowOp):
         found = []
         for first, rows in self.kept_reads(visit):
             probabilities, tokens = visit.services.lens(rows, self.top_k)
-            found.append((first, tokens.unsqueeze(0), probabilities.unsqueeze(0)))
-        if not visit.services.keeps_saves:
-            return
-        tokens_name, probs_name = self.saved_names(visit.location)
-        store, program_id = visit.services.store, visit.want.program_id
-        if not found:  # nothing kept this step: no rows, saved once as a `Save` keeps them, on
-            # the value's device (the store joins a request's pieces: one device for all)
-            if store.has_saves(program_id, tokens_name):
-                return
-            device = visit.device
-            found.append((visit.want.span.first_position,
-                          torch.empty(1, 0, self.top_k, dtype=torch.long, device=device),
-                          torch.empty(1, 0, self.top_k, dtype=torch.float32, device=device)))
-        for first, tokens, probabilities in found:
-            store.save(program_id, tokens_name, first, tokens, 1)
-            store.save(program_id, probs_name, first, probabilities, 1)
+            found.append((first, (tokens.unsqueeze(0), probabilities.unsqueeze(0))))
+        self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
+            torch.empty(1, 0, self.top_k, dtype=torch.long, device=device),
+            torch.empty(1, 0, self.top_k, dtype=torch.float32, device=device)))
 
 
 @dataclass(frozen=True)
@@ -394,18 +398,11 @@ class Probe(RowOp):
             layout = " ".join(visit.value.eproperty.layout)
             raise ValueError(f"a probe needs a value with one row per token along its second "
                              f"axis; {visit.location} is [{layout}]")
-        if not visit.services.keeps_saves:  # only rank 0 keeps saves
+        if not visit.services.keeps_saves:  # only rank 0 keeps saves: nothing to compute
             return
-        found = [(first, self.scores(rows)) for first, rows in self.kept_reads(visit)]
-        name = self.saved_names(visit.location)[0]
-        store, program_id = visit.services.store, visit.want.program_id
-        if not found:  # nothing kept this step: saved once with no rows, as `Save` does
-            if store.has_saves(program_id, name):
-                return
-            empty = torch.empty(1, 0, *self.weight.shape[:-1], device=visit.device)
-            found.append((visit.want.span.first_position, empty))
-        for first, scores in found:
-            store.save(program_id, name, first, scores, 1)
+        found = [(first, (self.scores(rows),)) for first, rows in self.kept_reads(visit)]
+        self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
+            torch.empty(1, 0, *self.weight.shape[:-1], device=device),))
 
 
 @dataclass(frozen=True)
@@ -476,14 +473,17 @@ class EditOp(RowOp):
         row (`per_position`)."""
         span, axis = visit.want.span, visit.token_axis
         prompt_length = visit.want.step.prompt_length
-        if axis is not None and self.filtered and not self.kept_runs(
-                span.first_position, len(span), prompt_length):
-            return
+        keep = None
+        positions = span.first_position + torch.arange(len(span))
+        if axis is not None and self.filtered:  # `positions`, `steps`; `tokens` below
+            keep = self.kept_rows(positions, torch.full_like(positions, prompt_length))
+            if not bool(keep.any()):
+                return
         current = visit.read()
-        operand, keep = self.operand, None if axis is None else self.token_rows(visit)
-        positions = None
+        operand = self.operand
         if axis is not None:
-            positions = span.first_position + torch.arange(current.shape[axis])
+            if (matching := self.token_rows(visit)) is not None:
+                keep = matching if keep is None else matching & keep.to(matching.device)
             if operand is not None and (rows := rows_axis(operand, current.dim(), axis)) \
                     is not None:
                 if "query" in visit.value.eproperty.layout:
@@ -503,30 +503,19 @@ class EditOp(RowOp):
                     return  # no row of this step has a row of the tensor
                 keep = covered if keep is None else keep & covered.to(keep.device)
         edited = self.edited(current, visit.value.eproperty.layout, operand)
-        if positions is not None and self.filtered:
-            kept = self.kept_rows(positions, torch.full_like(positions, prompt_length))
-            keep = kept if keep is None else keep & kept.to(keep.device)
         if keep is not None:
             edited = with_rows_kept(edited, current, keep, axis)  # type: ignore[arg-type]
         visit.write_if_finite(edited, f"the {self.kind}")
 
 
-def _within(runs: list[tuple[int, int]], count: int) -> torch.Tensor:
-    """The rows `runs` (offsets `(start, stop)`) mark among `count` rows (bool)."""
-    marked = torch.zeros(count, dtype=torch.bool)
-    for start, stop in runs:
-        marked[start:stop] = True
-    return marked
-
-
-def _runs_of(marked: torch.Tensor) -> list[tuple[int, int]]:
-    """The runs `(start, stop)` of adjacent true rows of `marked` (bool, on the host)."""
+def _runs(offsets: Iterable[int]) -> list[tuple[int, int]]:
+    """Increasing row offsets as runs `(start, stop)` of adjacent rows."""
     runs: list[tuple[int, int]] = []
-    for row in marked.nonzero().flatten().tolist():
-        if runs and runs[-1][1] == row:
-            runs[-1] = (runs[-1][0], row + 1)
+    for offset in offsets:
+        if runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + 1)
         else:
-            runs.append((row, row + 1))
+            runs.append((offset, offset + 1))
     return runs
 
 
