@@ -287,8 +287,7 @@ class Runtime:
             return None
         self._checked[program_id] = program
         if (problem := program.before_the_prompt(prompt_length)
-                or self._position_misfit(program, prompt_length)
-                or self._edit_refused(program)) is not None:
+                or self._never_served(program, prompt_length)) is not None:
             self.store.fail(program_id, problem)
             return None
         return program
@@ -298,30 +297,24 @@ class Runtime:
         (`pattern_edits.edit_refusal`)."""
         return edit_refusal(self.values[location], self.values, bool(len(self.sharded.fragments)))
 
-    def _edit_refused(self, program: Program) -> str | None:
-        """Why an op of `program` can never be served as written (`locations.unservable`: an
-        edit at a value that takes none, ...), or `None`; a client refuses it before sending,
-        and it is checked here for every client."""
+    def _never_served(self, program: Program, prompt_length: int) -> str | None:
+        """Why an op of `program` can never be served as written on a prompt of
+        `prompt_length` tokens, or `None`: `locations.unservable` (an edit at a value that takes
+        none, ...; a client refuses those before sending, checked here for every client), or an
+        edit's per-position tensor without a row for a position its `positions=` names
+        (`EditOp.position_misfit`)."""
         ops = [op for op in program.ops if not isinstance(op, PatternOutput)]
         try:
             acting_at = [self.locations_of(op) for op in ops]
         except LocationError:
-            return None  # refused where the location is served
+            return None  # refused where the location is served (`never_ran`)
         refusals = {location: reason for locations in acting_at for location in locations
                     if (reason := self.edit_refusal(location)) is not None}
-        found = unservable(ops, acting_at, refusals)
-        return None if found is None else found[1]
-
-    def _position_misfit(self, program: Program, prompt_length: int) -> str | None:
-        """Why an edit's per-position tensor has no row for a position its `positions=` names
-        on this prompt (`EditOp.position_misfit`), or `None`; before the request runs."""
-        for op in program.ops:
+        if (found := unservable(ops, acting_at, refusals)) is not None:
+            return found[1]
+        for op, locations in zip(ops, acting_at, strict=True):
             if not isinstance(op, EditOp) or op.operand is None or op.positions is None:
                 continue
-            try:
-                locations = self.locations_of(op)
-            except LocationError:
-                continue  # refused where the location is served (`never_ran`)
             for location in locations:
                 value = self.values[location]
                 problem = op.position_misfit(prompt_length, location, value.eproperty.layout,
