@@ -19,9 +19,8 @@ from vllm import SamplingParams
 
 from vllm_runner import wire
 from vllm_runner.engine_start import choose_defaults
-from vllm_runner.errors import LocationError
 from vllm_runner.llm import as_prompt_dict, prepare_engine
-from vllm_runner.locations import refuse_what_cannot_be_served
+from vllm_runner.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
@@ -81,12 +80,9 @@ class AsyncLLM:
 
     async def _resolution(self, patterns: Sequence[str]) -> dict[str, Any]:
         wanted = sorted(set(patterns))
-        if not wanted:
-            return {"resolved": {}, "errors": {}, "edit_refusals": {}}
-        (answer, *_) = await self.engine.collective_rpc("interp_resolve", args=(wanted,))
-        if answer["errors"]:
-            raise LocationError("; ".join(answer["errors"].values()))
-        return answer
+        return checked_resolution(
+            (await self.engine.collective_rpc("interp_resolve", args=(wanted,)))[0] if wanted
+            else None)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        *, interventions: Sequence[Op] | None = None,

@@ -25,8 +25,8 @@ from vllm import SamplingParams
 from vllm_runner import engine_rpc, vllm_client, wire
 from vllm_runner.compat import check_version
 from vllm_runner.engine_start import eager_by_default, start
-from vllm_runner.errors import EngineDied, LocationError, TapsRefused
-from vllm_runner.locations import refuse_what_cannot_be_served
+from vllm_runner.errors import EngineDied, TapsRefused
+from vllm_runner.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.op_limits import check_op_fits
 from vllm_runner.ops import Op
 from vllm_runner.program import attach_program, encode_ops, program_digest, salted
@@ -306,12 +306,7 @@ class LLM:
         """The workers' answer for `patterns` (`WorkerRPC.interp_resolve`), its errors
         raised."""
         wanted = sorted(set(patterns))
-        if not wanted:
-            return {"resolved": {}, "errors": {}, "edit_refusals": {}}
-        (answer, *_) = self._rpc("interp_resolve", (wanted,))
-        if answer["errors"]:
-            raise LocationError("; ".join(answer["errors"].values()))
-        return answer
+        return checked_resolution(self._rpc("interp_resolve", (wanted,))[0] if wanted else None)
 
     def trace(self, prompt: Any, sampling_params: SamplingParams | None = None,
               **sampling: Any) -> Trace:

@@ -60,6 +60,15 @@ def resolve(pattern: str, canonical: Iterable[str], layers: int) -> list[str]:
     raise LocationError(f"{pattern!r} is not a location of this model{hint}")
 
 
+def checked_resolution(answer: dict[str, Any] | None) -> dict[str, Any]:
+    """The workers' `interp_resolve` answer (`None`: no patterns were asked, an empty one),
+    with `LocationError` raised for the patterns it refused, naming the closest locations."""
+    if answer is None:
+        return {"resolved": {}, "errors": {}, "edit_refusals": {}}
+    if answer["errors"]:
+        raise LocationError("; ".join(answer["errors"].values()))
+    return answer
+
 
 def unservable(ops: Sequence[Op], acting_at: Sequence[Sequence[str]],
                edit_refusals: Mapping[str, str]) -> tuple[int, str] | None:
