@@ -3,7 +3,7 @@
 # after the wheel pieces of ../shared/gpu/stage.sh were copied to /tmp/stage (see
 # docs/gpu.md for the calls). Writes everything it measures under $OUT (or ./gpu-out).
 #
-#   benchmarks/gpu/check.sh install      unpack and install the staged vLLM (0.26 or 0.33) under /tmp/site,
+#   benchmarks/gpu/check.sh install      unpack and install the staged vLLM (0.33 or 0.34) under /tmp/site,
 #                                         and our wheels if the call carried .gpu-wheels
 #   benchmarks/gpu/check.sh trap_check   (a) the in-place trap, bf16 and fp32, bf16 with saves
 #                                         moved to the host at every step, and bf16 compiled with
@@ -223,7 +223,7 @@ families_compiled() {
 
 record() {
   # Real steps of vLLM's V2 runner as the adapter's test fixture (benchmarks/gpu/record_v2_steps.py).
-  VLLM_USE_V2_MODEL_RUNNER=1 $python benchmarks/gpu/record_v2_steps.py "$1" "$out/v2_steps.json" \
+  $python benchmarks/gpu/record_v2_steps.py "$1" "$out/v2_steps.json" \
     > "$out/record.log" 2>&1
   local status=$?
   grep -v WARNING "$out/record.log" | tail -15

@@ -12,12 +12,16 @@ adapter's unit tests replay these steps (tests/test_vllm_v2_recorded.py).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None:
+    # A release with both runners (0.33): ask for V2. From 0.34 V2 is the only one, and vLLM
+    # warns about the variable.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
 
 import vllm
 from vllm import LLM, SamplingParams
@@ -96,6 +100,8 @@ def main(model: str, out: str) -> None:
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     with open(out, "w") as handle:
         json.dump({"vllm": vllm.__version__,
+                   # On: the host schedules a step ahead of the device (run-ahead steps).
+                   "async_scheduling": llm.llm_engine.vllm_config.scheduler_config.async_scheduling,
                    "runner": f"{V2ModelRunner.__module__}.{V2ModelRunner.__name__}",
                    "prompts": prompts, "steps": steps}, handle)
     preempted = sum(bool(step["preempted"]) for step in steps)

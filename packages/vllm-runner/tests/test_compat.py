@@ -79,6 +79,23 @@ def test_a_runner_no_adapter_reads_is_refused_by_class_name() -> None:
     check_runner(V2(), (V1, V2))
     with pytest.raises(UnsupportedEngine, match=r"SomeOtherRunner.*VLLM_USE_V2_MODEL_RUNNER=0"):
         check_runner(SomeOtherRunner(), (V1, V2))
+    # A release without the V1 runner (0.34 on): no variable to name, vLLM refuses it itself.
+    with pytest.raises(UnsupportedEngine, match=r"SomeOtherRunner$"):
+        check_runner(SomeOtherRunner(), (V2,))
+
+
+def test_the_v2_adapter_loads_where_vllm_has_no_v1_runner() -> None:
+    """vLLM 0.34 removed `vllm.v1.worker.gpu_model_runner`: attaching and the V2 adapter must
+    not import it (here it is made unimportable, as on 0.34)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; sys.modules['vllm.v1.worker.gpu_model_runner'] = None; "
+             "import vllm_runner.runner_attach as attach, vllm_runner.vllm_v2_runner; "
+             "print(attach.v1_runner_class())")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip().splitlines()[-1] == "None"
 
 
 def test_the_gpu_worker_module_never_imports_vllms_cpu_worker() -> None:

@@ -62,9 +62,12 @@ def check_engine_config(vllm_config: Any) -> None:
 
 
 def check_runner(runner: object, supported: tuple[type, ...]) -> None:
-    """Refuse a model runner that no adapter reads (e.g. V2's encoder-only runner)."""
+    """Refuse a model runner that no adapter reads (e.g. V2's encoder-only runner); where the
+    installed vLLM still has the V1 runner (`supported` holds two classes), name the variable
+    that picks it."""
     if not isinstance(runner, supported):
         kind = f"{type(runner).__module__}.{type(runner).__name__}"
+        hint = (f"; set {V2_VARIABLE}=0 before starting the engine for V1" if len(supported) > 1
+                else "")
         raise UnsupportedEngine(
-            f"vllm-runner reads vLLM's V1 and V2 model runners, not {kind}; set "
-            f"{V2_VARIABLE}=0 before starting the engine for V1")
+            f"vllm-runner reads vLLM's V1 and V2 model runners, not {kind}{hint}")

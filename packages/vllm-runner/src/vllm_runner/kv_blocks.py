@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -71,3 +72,18 @@ def zero_blocks(kv_caches: list[torch.Tensor], num_blocks: int, block_ids: list[
             index = indices[kv.device] = torch.tensor(block_ids, dtype=torch.long).to(
                 kv.device, non_blocking=True)
         kv.index_fill_(axis, index, 0)
+
+
+def blocks_of(groups: Iterable[Iterable[int]] | None) -> list[int]:
+    """The block ids of a request's per-group lists (`block_ids`, `new_block_ids`), if any."""
+    return [block for group in groups or () for block in group]
+
+
+def handed_out_blocks(scheduler_output: Any) -> list[int]:
+    """Every KV block the scheduler hands out this step: new (and resumed) requests' blocks and
+    running requests' new ones (the same fields in V1 and V2)."""
+    found = [block for new in scheduler_output.scheduled_new_reqs
+             for block in blocks_of(new.block_ids)]
+    for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        found += blocks_of(ids)
+    return found

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from tokenspan import StepLayout
 from vllm.forward_context import get_forward_context
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1ModelRunner
 
-from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
+from vllm_runner.kv_blocks import WrittenBlocks, handed_out_blocks, zero_blocks
 from vllm_runner.program import ProgramData, program_data
 from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.runtime import Runtime
@@ -94,21 +94,6 @@ def programs_of(runner: Any, runtime: Runtime, count: int) -> list[ProgramData]:
         if data is not None and runtime.acts_at(data, len(state.prompt_token_ids),
                                                 state.num_computed_tokens):
             found.append(data)
-    return found
-
-
-def blocks_of(groups: Iterable[Iterable[int]] | None) -> list[int]:
-    """The block ids of a request's per-group lists (`block_ids`, `new_block_ids`), if any."""
-    return [block for group in groups or () for block in group]
-
-
-def handed_out_blocks(scheduler_output: Any) -> list[int]:
-    """Every KV block the scheduler hands out this step: new (and resumed) requests' blocks and
-    running requests' new ones (the same fields in V1 and V2)."""
-    found = [block for new in scheduler_output.scheduled_new_reqs
-             for block in blocks_of(new.block_ids)]
-    for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
-        found += blocks_of(ids)
     return found
 
 

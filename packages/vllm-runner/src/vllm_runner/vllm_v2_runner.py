@@ -37,7 +37,7 @@ from tokenspan import StepLayout
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
 
-from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
+from vllm_runner.kv_blocks import WrittenBlocks, blocks_of, handed_out_blocks, zero_blocks
 from vllm_runner.program import ProgramData, program_data
 from vllm_runner.repeated_schedule import RepeatedSchedule
 from vllm_runner.runtime import Runtime
@@ -45,7 +45,6 @@ from vllm_runner.runtime_loading import load_runtime
 from vllm_runner.settings import breaks_at_taps
 from vllm_runner.step_plan import NO_ROWS, ScheduledRequest, acting
 from vllm_runner.swapped import swapped
-from vllm_runner.vllm_v1_runner import blocks_of, handed_out_blocks
 from vllm_runner.vllm_v2_tap_graphs import break_at_taps, has_broken, tap_breaks_for
 
 #: A running request's program and its prompt's length, kept from when V2 added it.
