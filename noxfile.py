@@ -239,7 +239,7 @@ def typecheck(session: nox.Session) -> None:
         packages = _package_dirs()
         runner = packages["vllm-runner"]
         local = [str(path) for name, path in packages.items() if name != "vllm-runner"]
-        # [demo] too: vllm_runner.demo imports matplotlib, which must be there to be checked.
+        # [demo] too: vllm_runner.cli.demo imports matplotlib, which must be there to be checked.
         _install(session, *local, f"{runner}[cpu,demo]", "mypy>=2.4")
         cache = Path(session.virtualenv.location or ROOT) / "mypy-cache"
         for name, package_dir in packages.items():

@@ -37,8 +37,8 @@ COLUMNS = ("call", "send", "collect", "encode", "reply", "decode", "empty call")
 def wrap_worker(log: Path) -> None:
     """The worker's `interp_collect` appending `[start, collected, encoded, end]` (wall clock)
     to `log`, one JSON line per call."""
-    from vllm_runner import wire, worker
-
+    from vllm_runner.engine import worker
+    from vllm_runner.saves import wire
     collect, encode = worker.WorkerRPC.interp_collect, wire.encode
     marks: dict[str, float] = {}
 
@@ -77,8 +77,8 @@ def main() -> None:
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm_runner import LLM, llm, ops
-
+    from vllm_runner import LLM, ops
+    from vllm_runner.client import llm
     on_gpu = torch.cuda.is_available()
     model = arguments.model
     if model is None:

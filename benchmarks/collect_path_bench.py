@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
-from vllm_runner import host_copies, wire
+from vllm_runner.saves import host_copies, wire
 
 STAGES = ("to host", "encode", "msgpack out", "msgpack in", "decode")
 

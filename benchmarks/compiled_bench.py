@@ -39,14 +39,14 @@ programs: between (bare) and (a), what the graph tap's in-graph work costs every
 (nobreaks) our `LLM` as for (a) with `VLLM_INTERP_BREAK_AT_TAPS=0` (no full graphs captured
 again, broken at the taps), no programs: what those captures cost every step.
 
-Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where
-the profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its
-own, so saves collected cross processes as users' do (`vllm_runner.wire`). Our engine reports the
-seconds of each run spent collecting saves after the last step (the *collecting* column): a cost
-per saved byte, apart from the steps' cost. Each engine's process also reports what it used of
-the host in each run (`host_use.py`: CPU time of the thread that ran it and of the others,
-context switches, threads, peak memory), for telling apart why one process runs the same host
-work slower than another.
+Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where the
+profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its own, so
+saves collected cross processes as users' do (`vllm_runner.saves.wire`). Our engine reports the
+seconds of each run spent collecting saves after the last step (the *collecting* column): a cost per
+saved byte, apart from the steps' cost. Each engine's process also reports what it used of the host
+in each run (`host_use.py`: CPU time of the thread that ran it and of the others, context switches,
+threads, peak memory), for telling apart why one process runs the same host work slower than
+another.
 
 `--profile PATH` then runs the default engine and each arm once more under cProfile and once
 under torch's profiler (kernels by device time, the device's busy share of the wall time): for
@@ -127,7 +127,6 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
     """The interventions of an arm, one list per request (None: none at all)."""
     import torch
     from vllm_runner import ops
-
     middle = layers // 2
     one = [ops.Save(f"layers.{middle}.layer_output")]
     if arm in ("a", "bare", "taps", "nobreaks"):
@@ -428,7 +427,7 @@ def main() -> None:
                                   getattr(torch, arguments.dtype), "cuda" if on_gpu else "cpu")
         settings["skip_tokenizer_init"] = True
     if model is None:
-        from vllm_runner.embedded import default_model
+        from vllm_runner.client.embedded import default_model
 
         model = default_model()
     from transformers import AutoConfig

@@ -45,7 +45,6 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, TapsRefused, ops
-
 path, engine, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 taps, dtype = json.loads(sys.argv[4]), sys.argv[5]
 settings = dict(skip_tokenizer_init=True, dtype=dtype, kv_cache_memory_bytes=64 << 20,

@@ -1,5 +1,5 @@
 """How fast saves cross from a GPU into host tensors of their own, by the number of threads that
-write them (`vllm_runner.host_copies.LANDING_THREADS`).
+write them (`vllm_runner.saves.host_copies.LANDING_THREADS`).
 
 Run with `python benchmarks/host_copy_bench.py` on a machine with a GPU (the stack's environment):
 for each thread count, `--requests` device tensors of `--rows` x `--width` bf16 (by default one
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from vllm_runner import host_copies
+from vllm_runner.saves import host_copies
 
 
 def collect_once(saves: list[torch.Tensor], staging: torch.Tensor) -> list[dict[str, torch.Tensor]]:

@@ -48,7 +48,7 @@ class Server:
     def __init__(self, ours: bool, model: str, settings: list[str]) -> None:
         self.port = free_port()
         launcher = ([str(Path(sys.executable).parent / "vllm-interp"), "serve"] if ours else
-                    [sys.executable, "-m", "vllm_runner.serve_main", "serve"])
+                    [sys.executable, "-m", "vllm_runner.server.main", "serve"])
         command = [*launcher, model, "--host", "127.0.0.1", "--port", str(self.port),
                    "--served-model-name", "bench", *settings]
         environment = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -138,7 +138,7 @@ def main() -> None:
     settings = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs",
                 str(arguments.concurrency), "--kv-cache-memory-bytes", str(1 << 30)]
     if model is None:
-        from vllm_runner.embedded import default_model
+        from vllm_runner.client.embedded import default_model
 
         model = default_model()
         settings += ["--dtype", "float32"]

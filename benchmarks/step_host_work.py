@@ -37,7 +37,6 @@ def arm_ops(arm: str, layers: int, hidden: int) -> list[Any]:
     """One request's ops in an arm (the same for every request, as in `compiled_bench`)."""
     import torch
     from vllm_runner import ops
-
     middle = f"layers.{layers // 2}.layer_output"
     return {"save": [ops.Save(middle)],
             "steer": [ops.Add(middle, torch.ones(hidden), scale=0.5)],
@@ -62,10 +61,10 @@ def main() -> None:
     import torch
     from random_models import SHAPES, random_checkpoint
     from vllm_runner import LLM
-    from vllm_runner.program import encode, encode_ops, program_digest
-    from vllm_runner.repeated_schedule import RepeatedSchedule
-    from vllm_runner.runtime import finished_request
-    from vllm_runner.vllm_v2_runner import scheduled_step
+    from vllm_runner.engine.repeated_schedule import RepeatedSchedule
+    from vllm_runner.engine.v2_runner import scheduled_step
+    from vllm_runner.ops.program import encode, encode_ops, program_digest
+    from vllm_runner.runtime.runtime import finished_request
 
     shape = SHAPES[arguments.shape]
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]

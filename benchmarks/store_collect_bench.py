@@ -20,8 +20,8 @@ import statistics
 import time
 
 import torch
-from vllm_runner.save_arena import SaveArena
-from vllm_runner.store import SaveStore, ToCollect
+from vllm_runner.saves.arena import SaveArena
+from vllm_runner.saves.store import SaveStore, ToCollect
 
 LOCATION = ("model.layers.8.layer_output",)
 

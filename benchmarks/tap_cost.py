@@ -76,7 +76,6 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm_runner import LLM, ops
-
     model = random_checkpoint(arguments.shape, tempfile.mkdtemp(), torch.float32)
     layers = SHAPES[arguments.shape]["num_hidden_layers"]
     llm = LLM(model, skip_tokenizer_init=True, enforce_eager=False,

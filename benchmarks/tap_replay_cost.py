@@ -31,7 +31,7 @@ from typing import Any
 def main() -> None:
     """Capture the toy forward each way, time its replays, print a table."""
     import torch
-    from vllm_runner.vllm_v2_tap_graphs import TapBrokenCapture
+    from vllm_runner.engine.v2_tap_graphs import TapBrokenCapture
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=30)

@@ -201,7 +201,7 @@ SUITE_ENGINE_IN_SCRIPT = repr(SUITE_ENGINE)
 #: For a script whose engine core runs apart: the sizes of the files in shared memory its saves
 #: came through, in `attached` (`shm_files.attach` counted in the client's process).
 COUNT_ATTACHED_IN_SCRIPT = """
-from vllm_runner import shm_files
+from vllm_runner.saves import shm_files
 attached = []
 attach = shm_files.attach
 def counted(path, size):

@@ -13,10 +13,10 @@ from vllm_envoys import EProperty, Host, Rows, Stream, Value
 from vllm_envoys.layouts import RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner.ops import Op
-from vllm_runner.program import Program
-from vllm_runner.serving import Services, Visits
-from vllm_runner.step_plan import ScheduledRequest
-from vllm_runner.store import SaveStore
+from vllm_runner.ops.program import Program
+from vllm_runner.runtime.serving import Services, Visits
+from vllm_runner.runtime.step_plan import ScheduledRequest
+from vllm_runner.saves.store import SaveStore
 
 HIDDEN = 4
 
@@ -94,8 +94,7 @@ def served_through(name: str, value: Value, raw: Any, visits: Visits, used: Serv
     """Serve `visits` at `value`'s location (`serving.serve`) and say what `serving.<name>` (a
     way of serving a group together) answered each time it was asked: `[True]` when it served
     the one group, `[]` when it was never asked."""
-    from vllm_runner import serving
-
+    from vllm_runner.runtime import serving
     answers: list[bool] = []
     way = getattr(serving, name)
     with pytest.MonkeyPatch.context() as patch:

@@ -19,7 +19,8 @@ from conftest import (
 )
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_runner import ops, wire
+from vllm_runner import ops
+from vllm_runner.saves import wire
 
 STEER = torch.randn(128, generator=torch.Generator().manual_seed(5))
 

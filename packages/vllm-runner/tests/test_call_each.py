@@ -21,15 +21,16 @@ from parts import (
     services,
     stream_value,
 )
-from vllm_runner import ops, serving
-from vllm_runner.op_checks import (
+from vllm_runner import ops
+from vllm_runner.ops.checks import (
     non_finite_counts,
     non_finite_counts_on_device,
     non_finite_each,
 )
-from vllm_runner.program import Program
-from vllm_runner.step_plan import ScheduledRequest, plan_step
-from vllm_runner.store import SaveStore
+from vllm_runner.ops.program import Program
+from vllm_runner.runtime import serving
+from vllm_runner.runtime.step_plan import ScheduledRequest, plan_step
+from vllm_runner.saves.store import SaveStore
 
 #: What one request's function does with the rows it is lent.
 BEHAVIOURS = ("in place", "returns", "untouched", "raises", "nan", "wrong shape", "float64",

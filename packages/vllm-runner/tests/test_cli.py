@@ -65,11 +65,11 @@ def test_the_commands_engines_run_eager_unless_asked(monkeypatch, given: list[st
                                                      eager: bool) -> None:
     """Every request of `demo`, `extract` and `support` runs a program where no tap serves, so
     compiling would buy nothing: eager on a GPU too, unless the user says otherwise."""
-    import vllm_runner.llm
+    import vllm_runner.client.llm
     from vllm_runner import cli
-
     started: list[dict] = []
-    monkeypatch.setattr(vllm_runner.llm, "LLM", lambda model, **engine: started.append(engine))
+    monkeypatch.setattr(vllm_runner.client.llm, "LLM",
+                        lambda model, **engine: started.append(engine))
     cli._llm(build_parser().parse_args(["support", *given]))
     assert started[0]["enforce_eager"] is eager
 
@@ -168,7 +168,6 @@ def test_demo_runs_end_to_end_on_the_embedded_model(tmp_path) -> None:
 def test_a_failed_prompt_in_extract_is_one_line_and_exit_1(monkeypatch, tmp_path,
                                                             capsys) -> None:
     from vllm_runner import cli
-
     failed = SimpleNamespace(
         error="save at layers.0.layer_output: positions [-50] are before the start",
         prompt_token_ids=[1, 2], saved={})
@@ -197,7 +196,6 @@ def test_ctrl_c_hidden_by_an_error_in_cleanup_is_still_one_line_and_exit_130(
     # vLLM 0.32's tokenizer pool, interrupted between `try:` and taking a tokenizer, fails in
     # its `finally` and raises UnboundLocalError with the KeyboardInterrupt as its context.
     from vllm_runner import cli
-
     def interrupted_in_cleanup(parser, arguments):
         try:
             raise KeyboardInterrupt
@@ -218,7 +216,6 @@ def test_ctrl_c_hidden_by_an_error_in_cleanup_is_still_one_line_and_exit_130(
 def test_an_error_not_raised_during_ctrl_c_is_not_called_an_interruption(monkeypatch,
                                                                           tmp_path) -> None:
     from vllm_runner import cli
-
     def fails(parser, arguments):
         raise UnboundLocalError("a bug of ours")
 

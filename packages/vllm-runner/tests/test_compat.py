@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from vllm_runner import UnsupportedEngine
-from vllm_runner.compat import (
+from vllm_runner.engine.compat import (
     CHECKED_VLLM,
     UNCHECKED_VARIABLE,
     check_engine_config,
@@ -91,7 +91,7 @@ def test_the_v2_adapter_loads_where_vllm_has_no_v1_runner() -> None:
     import sys
 
     probe = ("import sys; sys.modules['vllm.v1.worker.gpu_model_runner'] = None; "
-             "import vllm_runner.runner_attach as attach, vllm_runner.vllm_v2_runner; "
+             "import vllm_runner.engine.attach as attach, vllm_runner.engine.v2_runner; "
              "print(attach.v1_runner_class())")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             check=True)
@@ -100,11 +100,11 @@ def test_the_v2_adapter_loads_where_vllm_has_no_v1_runner() -> None:
 
 def test_the_gpu_worker_module_never_imports_vllms_cpu_worker() -> None:
     """vLLM's cpu_worker replaces torch's CUDA events, streams and pin_memory process-wide;
-    a GPU worker process imports `vllm_runner.worker`, so that module must not pull it in."""
+    a GPU worker process imports `vllm_runner.engine.worker`, so that module must not pull it in."""
     import subprocess
     import sys
 
-    probe = ("import sys, vllm_runner.worker; "
+    probe = ("import sys, vllm_runner.engine.worker; "
              "print('vllm.v1.worker.cpu_worker' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             check=True)
@@ -115,7 +115,6 @@ def test_the_server_command_refuses_an_unchecked_release_before_starting_anythin
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import vllm
     from vllm_runner import cli
-
     monkeypatch.delenv(UNCHECKED_VARIABLE, raising=False)
     monkeypatch.setattr(vllm, "__version__", "0.19.1")
     assert cli.main(["serve", "some-model", "--port", "1"]) == 2

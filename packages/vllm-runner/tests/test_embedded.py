@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from vllm_runner import embedded
+from vllm_runner.client import embedded
 
 
 def test_a_missing_package_names_the_install_command(monkeypatch) -> None:

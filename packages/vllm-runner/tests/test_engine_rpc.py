@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from vllm_runner import engine_rpc
+from vllm_runner.engine import rpc as engine_rpc
 from vllm_runner.errors import EngineDied
 
 

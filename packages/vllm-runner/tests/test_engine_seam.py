@@ -6,9 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-ENGINE_FREE = ("vllm_runner.runtime", "vllm_runner.step_plan", "vllm_runner.hooks",
-               "vllm_runner.serving", "vllm_runner.ops", "vllm_runner.program",
-               "vllm_runner.store", "vllm_runner.lens", "vllm_runner.sharded")
+ENGINE_FREE = ("vllm_runner.runtime.runtime", "vllm_runner.runtime.step_plan",
+               "vllm_runner.runtime.hooks", "vllm_runner.runtime.serving", "vllm_runner.ops",
+               "vllm_runner.ops.program",
+               "vllm_runner.saves.store", "vllm_runner.runtime.lens", "vllm_runner.runtime.sharded")
 
 
 def test_the_runtime_and_its_parts_import_nothing_from_vllm() -> None:

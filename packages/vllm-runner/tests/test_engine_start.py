@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 import pytest
 import vllm
 import vllm.envs
-from vllm_runner import engine_start
-from vllm_runner.engine_start import GIB, MULTIPROCESSING_VARIABLE, cpu_kv_cache_bytes, start
+from vllm_runner.client import engine_start
+from vllm_runner.client.engine_start import GIB, MULTIPROCESSING_VARIABLE, cpu_kv_cache_bytes, start
 from vllm_runner.errors import EngineStartError
 
 
@@ -117,7 +117,7 @@ def test_an_engine_is_eager_by_default_on_a_cpu_only(monkeypatch, on_cpu: bool,
     """`LLM` and `AsyncLLM` leave a GPU engine to vLLM's default (compiled, CUDA graphs) and
     start a CPU one eager, unless the user chose; the user's choice is kept either way."""
     from vllm.platforms import current_platform
-    from vllm_runner.llm import prepare_engine
+    from vllm_runner.client.llm import prepare_engine
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: on_cpu)
     engine = dict(given)

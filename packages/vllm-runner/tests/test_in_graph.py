@@ -19,13 +19,13 @@ from vllm_envoys.codecs import Heads, Rows, Stream
 from vllm_envoys.layouts import QUERIES, RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner import ops
-from vllm_runner.in_graph import InGraphRows, in_graph_ops, in_graph_value
-from vllm_runner.save_arena import SaveArena
-from vllm_runner.serving import Want
-from vllm_runner.store import SaveStore, ToCollect
-from vllm_runner.tap_saves import SaveRing
-from vllm_runner.tap_steering import AblateRows, SteeredRows, SteerRows
-from vllm_runner.taps import install_taps
+from vllm_runner.compiled.in_graph import InGraphRows, in_graph_ops, in_graph_value
+from vllm_runner.compiled.tap_saves import SaveRing
+from vllm_runner.compiled.tap_steering import AblateRows, SteeredRows, SteerRows
+from vllm_runner.compiled.taps import install_taps
+from vllm_runner.runtime.serving import Want
+from vllm_runner.saves.arena import SaveArena
+from vllm_runner.saves.store import SaveStore, ToCollect
 
 WIDTH, ROWS, SLOTS = 4, 16, 3
 

@@ -27,7 +27,6 @@ import json, sys, time
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import EngineDied, LLM, ops
-
 def engine():
     return LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", max_model_len=128,
                max_num_seqs=8)

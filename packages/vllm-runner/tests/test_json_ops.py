@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 from vllm_runner import ops
-from vllm_runner.json_ops import (
+from vllm_runner.server.json_ops import (
     InterventionInputError,
     ops_from_json,
     saves_to_json,

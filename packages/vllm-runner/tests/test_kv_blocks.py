@@ -4,7 +4,7 @@ zeroing used where vLLM has none of its own, on plain tensors in vLLM's two cach
 from __future__ import annotations
 
 import torch
-from vllm_runner.kv_blocks import WrittenBlocks, zero_blocks
+from vllm_runner.engine.kv_blocks import WrittenBlocks, zero_blocks
 
 
 def test_blocks_are_zeroed_once_when_handed_out_again() -> None:

@@ -8,7 +8,8 @@ import torch
 from conftest import GENERATED, PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_runner import lens, ops, serving
+from vllm_runner import ops
+from vllm_runner.runtime import lens, serving
 
 
 def test_lens_equals_transformers_top_k_at_every_position(llm, reference) -> None:

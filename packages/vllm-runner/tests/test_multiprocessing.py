@@ -15,7 +15,8 @@ import torch
 from conftest import COUNT_ATTACHED_IN_SCRIPT, LARGE_PROMPT, LARGE_SAVES, PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_runner import ops, shm_files, wire
+from vllm_runner import ops
+from vllm_runner.saves import shm_files, wire
 
 SCRIPT = """
 import json, sys, torch

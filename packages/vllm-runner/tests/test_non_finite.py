@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.op_checks import non_finite
+from vllm_runner.ops.checks import non_finite
 
 LOCATION = "layers.1.layer_output"
 GREEDY = SamplingParams(max_tokens=GENERATED, temperature=0.0)

@@ -211,7 +211,7 @@ def test_an_edit_of_a_pattern_that_breaks_it_fails_its_request_alone(llm) -> Non
 def test_pattern_edits_under_tensor_parallelism_are_refused_by_name(llm) -> None:
     """At more than one rank each holds a piece of the values an edited pattern's output needs:
     the refusal names the setting and the alternative, for patterns only."""
-    from vllm_runner.pattern_edits import edit_refusal
+    from vllm_runner.runtime.pattern_edits import edit_refusal
 
     def reasons(worker):
         values = worker.model_runner.interp.values
@@ -232,7 +232,6 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
-
 def knock_out(pattern, ctx):
     pattern[..., 0] = 0.0
 

@@ -20,7 +20,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
-
 PREEMPTED = []
 original = Scheduler._preempt_request
 

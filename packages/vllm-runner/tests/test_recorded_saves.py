@@ -10,8 +10,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from parts import cat_on_one_device, on_a_device
 from tokenspan import StepLayout
-from vllm_runner import host_copies, recorded_saves
-from vllm_runner.store import SaveStore
+from vllm_runner.saves import host_copies
+from vllm_runner.saves import recorded as recorded_saves
+from vllm_runner.saves.store import SaveStore
 
 REQUESTS = "xyz"
 LOCATIONS = ("a", "b")

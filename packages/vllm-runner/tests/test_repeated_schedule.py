@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from vllm_runner import ops
-from vllm_runner.program import Program
-from vllm_runner.repeated_schedule import RepeatedSchedule
-from vllm_runner.vllm_v2_runner import scheduled_step
+from vllm_runner.engine.repeated_schedule import RepeatedSchedule
+from vllm_runner.engine.v2_runner import scheduled_step
+from vllm_runner.ops.program import Program
 
 
 class Runtime:

@@ -15,7 +15,6 @@ SCRIPT = """
 import json, sys
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
-
 if __name__ == "__main__":
     # Eager, as the suite's first pass (on a GPU `LLM` would compile: minutes for nothing here).
     llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,

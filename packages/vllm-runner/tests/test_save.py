@@ -130,7 +130,6 @@ def test_badly_shaped_interventions_are_refused_by_name(llm) -> None:
 
 def test_an_llm_that_failed_to_start_says_so_instead_of_recursing() -> None:
     from vllm_runner import LLM
-
     broken = LLM.__new__(LLM)  # what __init__ leaves when the engine could not start
     assert not hasattr(broken, "llm_engine") and "generate" in dir(broken)
     with pytest.raises(AttributeError, match="construction failed"):
@@ -308,7 +307,7 @@ def test_a_collection_that_fails_loses_no_requests_text(llm, reference, monkeypa
     `generate` still returns every output: the text of requests with programs and without
     (transformers' greedy tokens), the programmed ones with no saves and an error naming the
     cause; nothing is left in the worker, and the next call saves as before."""
-    from vllm_runner.store import SaveStore
+    from vllm_runner.saves.store import SaveStore
 
     def host_full(*args, **kwargs):
         raise MemoryError("host memory exhausted")
@@ -342,8 +341,7 @@ def test_requests_saving_the_same_value_share_one_read_and_each_equal_transforme
     value once for both (`serving.serve_together`); request 1 also steers layer 1, a program
     of its own. Each request's rows must still be its own, in position order, over chunked
     steps."""
-    from vllm_runner import serving
-
+    from vllm_runner.runtime import serving
     shared: list[int] = []
     original = serving.serve_together
 
@@ -392,8 +390,8 @@ def test_saves_moved_to_the_host_between_steps_still_equal_transformers(
     every tensor treated as a GPU's and a limit of 0, so every step moves what the last saved,
     over chunked prefill and decoding (on a GPU the tensors are a GPU's already: treating the
     moved ones as a device's too would join host and device rows)."""
-    from vllm_runner import host_copies
-    from vllm_runner.store import SaveStore
+    from vllm_runner.saves import host_copies
+    from vllm_runner.saves.store import SaveStore
 
     moved: list[int] = []
     original = SaveStore.spill

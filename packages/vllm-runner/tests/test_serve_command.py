@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from vllm_runner import serve_command as module
-from vllm_runner.serve_command import _ranks, plugins_setting, serve_command, with_taps
+from vllm_runner.server import command as module
+from vllm_runner.server.command import _ranks, plugins_setting, serve_command, with_taps
 from vllm_runner.settings import GRAPH_TAPS_KEY, TAPS_KEY
 
 MODEL = "/models/tiny-llama"
@@ -25,8 +25,8 @@ def values_of(command: list[str], option: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("on_cpu", "worker"), [
-    (True, "vllm_runner.cpu_worker.InterpCPUWorker"),
-    (False, "vllm_runner.worker.InterpGPUWorker")])
+    (True, "vllm_runner.engine.cpu_worker.InterpCPUWorker"),
+    (False, "vllm_runner.engine.worker.InterpGPUWorker")])
 def test_command_is_vllm_serve_with_the_interp_worker_eager_on_a_cpu_only(on_cpu: bool,
                                                                            worker: str) -> None:
     """As `LLM`'s default: eager on a CPU; on a GPU vLLM's own (compiled, CUDA graphs)."""
@@ -163,7 +163,7 @@ def test_ranks_reads_the_tensor_parallel_size(options: list[str], ranks: int) ->
 
 
 def test_serve_main_imports() -> None:
-    serve_main = importlib.import_module("vllm_runner.serve_main")
+    serve_main = importlib.import_module("vllm_runner.server.main")
     assert callable(serve_main.main)
 
 
@@ -171,7 +171,7 @@ def test_every_interp_option_is_named_in_the_help_and_on_the_cli_page() -> None:
     from pathlib import Path
 
     from vllm_runner import cli
-    from vllm_runner.server_settings import OPTIONS
+    from vllm_runner.server.settings import OPTIONS
 
     page = (Path(__file__).parents[3] / "docs" / "cli.md").read_text()
     described = inspect.getsource(cli)

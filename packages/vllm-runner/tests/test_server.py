@@ -34,7 +34,7 @@ from openai import APIStatusError, BadRequestError, OpenAI
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.json_ops import tensor_from_json, tensor_to_json
+from vllm_runner.server.json_ops import tensor_from_json, tensor_to_json
 
 PROMPT = [5, 17, 99, 3, 42, 8, 61]
 TOKENS = 4
@@ -55,7 +55,7 @@ def running_server(model_dir: str, folder: Path, *options: str, bare: bool = Fal
     ends; yields its base URL. `bare`: vLLM's own `serve` with the same
     settings, eager as ours, and neither our worker nor our routes (the oracle)."""
     port = _free_port()
-    start = ([sys.executable, "-m", "vllm_runner.serve_main"] if bare else
+    start = ([sys.executable, "-m", "vllm_runner.server.main"] if bare else
              [str(Path(sys.executable).parent / "vllm-interp")])
     command = [*start, "serve", model_dir,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",

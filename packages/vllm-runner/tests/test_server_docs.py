@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jsonschema
 from conftest import python_blocks, serving, user_environment
-from vllm_runner.json_ops import interventions_schema
+from vllm_runner.server.json_ops import interventions_schema
 
 DOCS = Path(__file__).parents[3] / "docs"
 PAGE = DOCS / "server.md"

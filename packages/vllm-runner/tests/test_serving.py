@@ -20,15 +20,16 @@ from parts import (
     served_through,
     services,
 )
-from vllm_runner import ops, serving
-from vllm_runner.hooks import Hooks
-from vllm_runner.op_checks import (
+from vllm_runner import ops
+from vllm_runner.ops.checks import (
     finite_on_the_host,
     non_finite_counts,
     non_finite_counts_on_device,
 )
-from vllm_runner.step_plan import NOTHING_PLANNED, plan_step, sampled_rows
-from vllm_runner.store import SaveStore
+from vllm_runner.runtime import serving
+from vllm_runner.runtime.hooks import Hooks
+from vllm_runner.runtime.step_plan import NOTHING_PLANNED, plan_step, sampled_rows
+from vllm_runner.saves.store import SaveStore
 
 
 def locations_of(op: ops.Op) -> list[str]:
@@ -389,7 +390,7 @@ def test_a_rowwise_call_with_nan_in_a_later_run_of_rows_refuses_that_request_alo
 def test_a_rowwise_call_is_one_object_for_every_request_running_its_program() -> None:
     """Programs share their decoded ops by digest when every `Call` in them is rowwise (one
     function for the group); a plain `Call` is unpickled per request, as it may keep state."""
-    from vllm_runner.program import ProgramCache, encode, encode_ops, program_digest
+    from vllm_runner.ops.program import ProgramCache, encode, encode_ops, program_digest
 
     cache = ProgramCache()
     for rowwise in (True, False):
@@ -404,7 +405,7 @@ def test_the_cache_says_once_a_program_acting_on_its_prompt_only_was_decoded() -
     """Until such a program is decoded, every program acts at every step and the adapters ask
     none of them per request (`Runtime.every_program_acts`); after, they ask (it never goes
     back: a wrong `True` would skip a step some program acts at)."""
-    from vllm_runner.program import ProgramCache, encode, encode_ops, program_digest
+    from vllm_runner.ops.program import ProgramCache, encode, encode_ops, program_digest
 
     cache = ProgramCache()
     for number, op in enumerate([ops.Save("layers.0.layer_output"), ops.Add(
@@ -474,7 +475,7 @@ def test_hooks_are_installed_for_wanted_locations_only_and_see_the_output() -> N
 def test_the_sampler_gets_finite_logits_after_a_step_with_edits() -> None:
     """NaN and +inf (an edit overflowed a later layer) become finite; -inf (a banned token) and
     every finite logit stay as they are."""
-    from vllm_runner.runtime import keep_logits_finite
+    from vllm_runner.runtime.runtime import keep_logits_finite
 
     logits = torch.tensor([[1.5, float("nan"), float("-inf")], [float("inf"), -2.0, 0.25]])
     keep_logits_finite(logits)
@@ -492,8 +493,8 @@ def test_a_request_is_left_out_of_a_step_only_where_none_of_its_ops_keeps_a_row(
     graph) only where no op of its program would keep any row of the step — checked against
     each op's own `keeps` — and does leave out every step past the prompt of a program whose
     ops all act on the prompt only."""
-    from vllm_runner.program import Program
-    from vllm_runner.step_plan import ScheduledRequest, acting
+    from vllm_runner.ops.program import Program
+    from vllm_runner.runtime.step_plan import ScheduledRequest, acting
 
     program = Program("p", "d", tuple(ops.Save("layers.0.layer_output", positions=positions,
                                                steps=steps) for positions, steps in filters))

@@ -12,11 +12,11 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from parts import cat_on_one_device, on_a_device
-from vllm_runner import host_copies
-from vllm_runner import store as store_module
-from vllm_runner.save_arena import SaveArena
+from vllm_runner.saves import host_copies
+from vllm_runner.saves import store as store_module
+from vllm_runner.saves.arena import SaveArena
+from vllm_runner.saves.store import SaveStore
 from vllm_runner.settings import device_saves_limit
-from vllm_runner.store import SaveStore
 
 
 def test_rows_come_back_in_position_order_with_the_last_write_winning() -> None:
@@ -226,7 +226,6 @@ def test_without_a_limit_half_the_device_memory_free_at_the_first_save_is_kept(
 
 def test_llm_refuses_a_bad_device_saves_limit_before_starting_the_engine(monkeypatch) -> None:
     from vllm_runner import LLM
-
     monkeypatch.delenv("VLLM_INTERP_DEVICE_SAVES_MIB", raising=False)
     with pytest.raises(ValueError, match="interp_device_saves_mib"):
         LLM("no-such-model", interp_device_saves_mib=-5)
@@ -355,8 +354,7 @@ def test_a_collection_gathers_many_requests_rows_from_a_gpu_arena_together(monke
     once: one `index_select` per block and tap (not one per request too), their indices sent to
     the device in one copy (a blocking copy waits for the work queued before it), once for the
     taps that saved the same requests."""
-    from vllm_runner import save_arena
-
+    from vllm_runner.saves import arena as save_arena
     store, arena = three_requests_over_six_blocks(_DeviceArena(width=2, block_bytes=48))
     copies: list[int] = []
     copy = save_arena._on_index_device
@@ -404,8 +402,7 @@ def test_a_collection_for_another_process_writes_rows_into_files_from_the_stagin
     """A client in another process on this host (`wire.SharedFiles`): each request's rows go
     from the staging buffer straight into its file, none into memory of the worker's own, and
     the client gets them back as they were saved."""
-    from vllm_runner import wire
-
+    from vllm_runner.saves import wire
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
     monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
     landed: list[int] = []
@@ -439,8 +436,7 @@ def test_a_collection_that_fails_halfway_fails_its_requests_and_the_store_goes_o
     before."""
     import os
 
-    from vllm_runner import wire
-
+    from vllm_runner.saves import wire
     monkeypatch.setattr(wire, "SHARED_MIN_BYTES", 1)
     monkeypatch.setattr(host_copies, "STAGING_BYTES", 2 * 2 * 96)  # groups: z and x, then y
     monkeypatch.setattr(host_copies, "on_a_device", lambda rows: True)
@@ -515,7 +511,7 @@ def test_decode_steps_kept_as_a_run_are_collected_as_if_saved_whole(members, ste
     see) at any step, every request's rows come back as if each step's were saved as tensors,
     the device bytes counted are the rows still there, and the arena's blocks are freed."""
     from parts import layout_of
-    from vllm_runner.repeated_saves import RepeatedSaves
+    from vllm_runner.saves.repeated import RepeatedSaves
 
     store, expected_store, arena = SaveStore(), SaveStore(), _DeviceArena()
     rings = [SimpleNamespace(location=location, arena=arena, ring=torch.zeros(8, 1))
@@ -562,7 +558,7 @@ def test_decode_steps_kept_as_a_run_are_collected_as_if_saved_whole(members, ste
 def test_rows_saved_apart_from_a_run_of_steps_end_the_run() -> None:
     """A request of a run of steps (`SharedRows`) given rows that do not follow on (another
     position, saved request by request) leaves the run: no later step may extend it."""
-    from vllm_runner.save_arena import SharedRows
+    from vllm_runner.saves.arena import SharedRows
 
     store, arena = SaveStore(), SaveArena(1, 1, torch.device("cpu"), torch.float32, 64)
     block, row = arena.reserve(1)
@@ -587,7 +583,7 @@ def test_unread_checks_fail_their_requests_when_a_failure_is_next_asked_about() 
     forward does not wait for the answers (`failed_so_far`); an edit (`failed`), the next step
     (`any_failed`), an error's reader and collection do, and fail whom they refused, each
     with its own message."""
-    from vllm_runner.unread_checks import UnreadChecks
+    from vllm_runner.saves.unread_checks import UnreadChecks
 
     store = SaveStore()
     store.check_later(UnreadChecks(["p-a", "p-b"], torch.tensor([0, 3]),

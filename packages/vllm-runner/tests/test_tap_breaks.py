@@ -21,8 +21,10 @@ from vllm.v1.worker.gpu.cudagraph_utils import (
     CudaGraphManager,
     ModelCudaGraphManager,
 )
-from vllm_runner import tap_breaks, taps, vllm_v2_tap_graphs
-from vllm_runner.vllm_v2_tap_graphs import (
+from vllm_runner.compiled import breaks as tap_breaks
+from vllm_runner.compiled import taps
+from vllm_runner.engine import v2_tap_graphs as vllm_v2_tap_graphs
+from vllm_runner.engine.v2_tap_graphs import (
     TapBrokenCapture,
     TapBrokenGraphs,
     break_at_taps,

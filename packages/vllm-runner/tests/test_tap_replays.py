@@ -17,9 +17,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm_runner import tap_breaks, tap_replays, taps, vllm_v2_tap_graphs
-from vllm_runner.tap_replays import GraphPart, Part, TapPart, TapReplays, replay_plan
-from vllm_runner.vllm_v2_tap_graphs import TapBrokenCapture
+from vllm_runner.compiled import breaks as tap_breaks
+from vllm_runner.compiled import replays as tap_replays
+from vllm_runner.compiled import taps
+from vllm_runner.compiled.replays import GraphPart, Part, TapPart, TapReplays, replay_plan
+from vllm_runner.engine import v2_tap_graphs as vllm_v2_tap_graphs
+from vllm_runner.engine.v2_tap_graphs import TapBrokenCapture
 
 LOCATIONS = [f"layers.{index}.layer_output" for index in range(4)] + ["layers.1.mlp_neurons"]
 
@@ -275,7 +278,7 @@ def test_on_a_gpu_joined_segments_compute_what_replaying_every_segment_computes(
     """Real CUDA graphs: a capture broken at four taps (the last two with no kernel between),
     replayed for steps waiting at different taps — the same values at the end and at each tap
     run as replaying every segment and tap, through joined graphs (none failed)."""
-    from vllm_runner.graph_joins import JoinedGraph
+    from vllm_runner.compiled.joins import JoinedGraph
 
     value = torch.zeros(256, device="cuda")
     seen: list[tuple[str, float]] = []

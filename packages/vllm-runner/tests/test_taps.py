@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from vllm_envoys import HookArgs
+from vllm_runner.client.llm import tap_patterns
+from vllm_runner.compiled.opaque_calls import called_inside_opaque_ops, opaque_reason
+from vllm_runner.compiled.taps import flatten, install_taps, rebuild, serve_taps
 from vllm_runner.errors import LocationError, TapsRefused
-from vllm_runner.hooks import Hooks
-from vllm_runner.llm import tap_patterns
-from vllm_runner.opaque_calls import called_inside_opaque_ops, opaque_reason
-from vllm_runner.runtime import tap_locations
-from vllm_runner.taps import flatten, install_taps, rebuild, serve_taps
+from vllm_runner.runtime.hooks import Hooks
+from vllm_runner.runtime.runtime import tap_locations
 
 leaves = st.one_of(
     st.integers(1, 4).map(lambda n: torch.arange(float(n))),

@@ -31,7 +31,6 @@ pytestmark = pytest.mark.first_pass_only
 PROGRAMS = """
 import torch
 from vllm_runner import ops
-
 torch.manual_seed(1)
 queries_shift = torch.randn(32) * 0.5       # per head dimension, every head
 keys_shift = torch.randn(2, 1, 32) * 0.5    # per KV head: one KV head per rank at TP=2
@@ -66,7 +65,6 @@ import json, sys, torch
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
-
 if __name__ == "__main__":
     model_dir, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     exec(sys.argv[4])
@@ -143,7 +141,6 @@ def test_an_edited_pattern_is_refused_at_two_ranks(tp2: dict) -> None:
 
 def test_every_value_equals_tp1(llm, tp2: dict) -> None:
     from vllm_runner import ops
-
     assert not any(tp2["errors"]), tp2["errors"]
     catalogue = tp2["catalogue"]
     sharded = {"attention_queries", "attention_keys", "attention_values",

@@ -10,7 +10,7 @@ from conftest import PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.op_limits import check_op_fits
+from vllm_runner.ops.limits import check_op_fits
 
 STREAM = "layers.1.layer_output"
 # 12 tokens, token 7 at positions 1, 5 and 9; the engine runs 8 a step, so two chunks.
@@ -103,7 +103,6 @@ def test_tokens_at_the_logits_and_one_name_saved_twice_are_refused_before_runnin
     """The logits have one row per sampled position, not per token run: `tokens=` there is
     refused; two probes saving under one name would lose one: refused, naming both."""
     from vllm_runner import LocationError
-
     with pytest.raises(LocationError, match="tokens= is not taken"):
         _run(llm, [[ops.Save("logits", tokens=(7,))]])
     weight = torch.ones(128)

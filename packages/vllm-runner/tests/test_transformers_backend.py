@@ -32,7 +32,6 @@ import json, sys, torch
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
-
 names = ("attention_queries", "attention_keys", "attention_values", "attention_head_outputs")
 saves = [ops.Save(f"layers.*.self_attn.{name}") for name in names] + [
     ops.Save("layers.0.self_attn.attention_probabilities"), ops.Save("layers.*.layer_output")]

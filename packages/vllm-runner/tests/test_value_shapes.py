@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.value_shapes import (
+from vllm_runner.server.value_shapes import (
     ValueShape,
     check_tensors_fit,
     misfit,

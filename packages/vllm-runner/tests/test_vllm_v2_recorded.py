@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from test_vllm_v2_runner import FakeRuntime, data, runner
-from vllm_runner.program import EXTRA_ARGS_KEY
-from vllm_runner.step_plan import sampled_rows
-from vllm_runner.vllm_v2_runner import scheduled_step
+from vllm_runner.engine.v2_runner import scheduled_step
+from vllm_runner.ops.program import EXTRA_ARGS_KEY
+from vllm_runner.runtime.step_plan import sampled_rows
 
 RECORDINGS = {path.stem.removeprefix("v2_steps_"): json.loads(path.read_text())["steps"]
               for path in sorted((Path(__file__).parent / "fixtures").glob("v2_steps_*.json"))}
@@ -49,7 +49,7 @@ def _scheduler_output(step: dict) -> SimpleNamespace:
 
 
 def test_every_checked_gpu_release_has_a_recording() -> None:
-    from vllm_runner.compat import CHECKED_VLLM
+    from vllm_runner.engine.compat import CHECKED_VLLM
 
     gpu_releases = {release for release, where in CHECKED_VLLM.items() if "CUDA" in where}
     assert gpu_releases <= set(RECORDINGS)

@@ -16,13 +16,14 @@ from vllm.v1.worker.gpu.cudagraph_utils import (
     CudaGraphManager,
     ModelCudaGraphManager,
 )
-from vllm_runner import ops, vllm_v2_runner
+from vllm_runner import ops
+from vllm_runner.engine import v2_runner as vllm_v2_runner
+from vllm_runner.engine.repeated_schedule import RepeatedSchedule
+from vllm_runner.engine.v2_runner import RunnerV2Mixin, StepGraph, scheduled_step, step_graph
+from vllm_runner.engine.v2_tap_graphs import TapBrokenGraphs
 from vllm_runner.ops import op_from_data
-from vllm_runner.program import EXTRA_ARGS_KEY, Program
-from vllm_runner.repeated_schedule import RepeatedSchedule
-from vllm_runner.step_plan import NO_ROWS
-from vllm_runner.vllm_v2_runner import RunnerV2Mixin, StepGraph, scheduled_step, step_graph
-from vllm_runner.vllm_v2_tap_graphs import TapBrokenGraphs
+from vllm_runner.ops.program import EXTRA_ARGS_KEY, Program
+from vllm_runner.runtime.step_plan import NO_ROWS
 
 OVERRIDDEN = ("load_model", "initialize_kv_cache", "add_requests", "finish_requests",
               "update_requests", "prepare_inputs", "execute_model")
@@ -210,7 +211,7 @@ class Runner(RunnerV2Mixin, V2Stub):
 
 
 def runner(editing: bool, **runtime: bool) -> Runner:
-    from vllm_runner.kv_blocks import WrittenBlocks
+    from vllm_runner.engine.kv_blocks import WrittenBlocks
 
     made = Runner()
     made.interp = FakeRuntime(editing, **runtime)  # type: ignore[assignment]

@@ -17,10 +17,10 @@ import pytest
 import torch
 from vllm.v1.engine import EngineCoreOutputs, UtilityOutput
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
-from vllm_runner import host_copies, shm_files, wire
-from vllm_runner.per_process import PerProcess
+from vllm_runner.engine.worker import WorkerRPC
+from vllm_runner.saves import host_copies, shm_files, wire
+from vllm_runner.saves.per_process import PerProcess
 from vllm_runner.settings import SHARED_SAVES_VARIABLE, shared_saves_memory
-from vllm_runner.worker import WorkerRPC
 
 
 def left_behind() -> list[str]:

@@ -24,19 +24,19 @@ from vllm_runner.errors import (
 )
 
 if TYPE_CHECKING:
-    from vllm_runner.async_llm import AsyncLLM
-    from vllm_runner.llm import LLM
+    from vllm_runner.client.async_llm import AsyncLLM
+    from vllm_runner.client.llm import LLM
 
 
 def __getattr__(name: str) -> Any:
     """`LLM` and `AsyncLLM` are imported on first use, not with the package: importing vLLM
     configures its logging, which the `vllm-interp` command must set first (quiet, on stderr)."""
     if name == "LLM":
-        from vllm_runner.llm import LLM
+        from vllm_runner.client.llm import LLM
 
         return LLM
     if name == "AsyncLLM":
-        from vllm_runner.async_llm import AsyncLLM
+        from vllm_runner.client.async_llm import AsyncLLM
 
         return AsyncLLM
     raise AttributeError(f"module 'vllm_runner' has no attribute {name!r}")

@@ -12,7 +12,7 @@ from typing import cast
 
 from tokenspan import READ_MODES, ReadMode
 
-from vllm_runner import shm_files
+from vllm_runner.saves import shm_files
 
 #: Where an engine's taps (`LLM(taps=...)`) travel to its workers: a key of vLLM's
 #: `additional_config`, which is the engine's own (an environment variable would reach every
