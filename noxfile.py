@@ -225,9 +225,14 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    """Static checks (ruff) over every package, the cross-package tests and the benchmarks."""
-    session.install("ruff>=0.8")
+    """Static checks (ruff) over every package, the cross-package tests and the benchmarks, and
+    vllm-runner's layer contracts (import-linter: which room may import which, and that only
+    the engine-facing rooms import vLLM; `[tool.importlinter]` in the root pyproject.toml)."""
+    session.install("ruff>=0.8", "import-linter>=2.1")
     session.run("ruff", "check", str(ROOT))
+    # The contracts read the source; nothing is imported, so vLLM need not be installed.
+    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"),
+                env={"PYTHONPATH": str(ROOT / "packages" / "vllm-runner" / "src")})
 
 
 @nox.session(python="3.11")

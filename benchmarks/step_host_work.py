@@ -64,7 +64,7 @@ def main() -> None:
     from vllm_runner.engine.repeated_schedule import RepeatedSchedule
     from vllm_runner.engine.v2_runner import scheduled_step
     from vllm_runner.ops.program import encode, encode_ops, program_digest
-    from vllm_runner.runtime.runtime import finished_request
+    from vllm_runner.saves.collection import finished_request
 
     shape = SHAPES[arguments.shape]
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]

@@ -14,8 +14,8 @@ from vllm_envoys.layouts import RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner.ops import Op
 from vllm_runner.ops.program import Program
+from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime.serving import Services, Visits
-from vllm_runner.runtime.step_plan import ScheduledRequest
 from vllm_runner.saves.store import SaveStore
 
 HIDDEN = 4

@@ -28,8 +28,9 @@ from vllm_runner.ops.checks import (
     non_finite_each,
 )
 from vllm_runner.ops.program import Program
+from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime import serving
-from vllm_runner.runtime.step_plan import ScheduledRequest, plan_step
+from vllm_runner.runtime.step_plan import plan_step
 from vllm_runner.saves.store import SaveStore
 
 #: What one request's function does with the rows it is lent.

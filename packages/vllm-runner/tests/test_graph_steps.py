@@ -14,12 +14,13 @@ from parts import HIDDEN, Toy, layout_of, residual_value
 from vllm_runner import ops
 from vllm_runner.compiled.graph_steps import GraphSteps
 from vllm_runner.compiled.in_graph import InGraphRows
+from vllm_runner.compiled.repeated_saves import RepeatedSaves
 from vllm_runner.compiled.tap_saves import SaveRing
 from vllm_runner.compiled.tap_steering import AblateRows, SteerRows, steered_rows
 from vllm_runner.ops.program import Program
-from vllm_runner.runtime.step_plan import ScheduledRequest, plan_step
+from vllm_runner.ops.wants import ScheduledRequest
+from vllm_runner.runtime.step_plan import plan_step
 from vllm_runner.saves.arena import SaveArena
-from vllm_runner.saves.repeated import RepeatedSaves
 from vllm_runner.saves.store import SaveStore, ToCollect
 
 ROWS, SLOTS = 64, 8

@@ -23,7 +23,7 @@ from vllm_runner.compiled.in_graph import InGraphRows, in_graph_ops, in_graph_va
 from vllm_runner.compiled.tap_saves import SaveRing
 from vllm_runner.compiled.tap_steering import AblateRows, SteeredRows, SteerRows
 from vllm_runner.compiled.taps import install_taps
-from vllm_runner.runtime.serving import Want
+from vllm_runner.ops.wants import Want
 from vllm_runner.saves.arena import SaveArena
 from vllm_runner.saves.store import SaveStore, ToCollect
 

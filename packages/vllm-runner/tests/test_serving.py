@@ -494,7 +494,8 @@ def test_a_request_is_left_out_of_a_step_only_where_none_of_its_ops_keeps_a_row(
     each op's own `keeps` — and does leave out every step past the prompt of a program whose
     ops all act on the prompt only."""
     from vllm_runner.ops.program import Program
-    from vllm_runner.runtime.step_plan import ScheduledRequest, acting
+    from vllm_runner.ops.wants import ScheduledRequest
+    from vllm_runner.runtime.step_plan import acting
 
     program = Program("p", "d", tuple(ops.Save("layers.0.layer_output", positions=positions,
                                                steps=steps) for positions, steps in filters))

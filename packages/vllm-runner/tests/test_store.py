@@ -511,7 +511,7 @@ def test_decode_steps_kept_as_a_run_are_collected_as_if_saved_whole(members, ste
     see) at any step, every request's rows come back as if each step's were saved as tensors,
     the device bytes counted are the rows still there, and the arena's blocks are freed."""
     from parts import layout_of
-    from vllm_runner.saves.repeated import RepeatedSaves
+    from vllm_runner.compiled.repeated_saves import RepeatedSaves
 
     store, expected_store, arena = SaveStore(), SaveStore(), _DeviceArena()
     rings = [SimpleNamespace(location=location, arena=arena, ring=torch.zeros(8, 1))

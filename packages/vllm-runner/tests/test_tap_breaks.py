@@ -15,7 +15,6 @@ import pytest
 import torch
 from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 from vllm.config import CUDAGraphMode
-from vllm.utils import torch_utils
 from vllm.v1.worker.gpu.cudagraph_utils import (
     BatchExecutionDescriptor,
     CudaGraphManager,
@@ -82,7 +81,7 @@ def capturing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(registry, "active", capture, raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     capture.weak = []
-    monkeypatch.setattr(torch_utils, "weak_ref_tensor",
+    monkeypatch.setattr(tap_breaks, "weak_ref",
                         lambda tensor: capture.weak.append(tensor) or tensor)
     yield capture
     taps.serve_taps(None)

@@ -230,8 +230,8 @@ def test_our_capture_keeps_each_segments_template_and_which_locations_each_tap_s
     FakeGraph.made = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    from vllm.utils import torch_utils
-    monkeypatch.setattr(torch_utils, "weak_ref_tensor", lambda tensor: tensor)
+    from vllm_runner.compiled import breaks
+    monkeypatch.setattr(breaks, "weak_ref", lambda tensor: tensor)
     hidden, neurons = torch.ones(2), torch.zeros(3)
     with TapBrokenCapture(pool="pool") as capture:
         torch.ops.vllm_interp.tap([hidden], "layers.0.layer_output|T")

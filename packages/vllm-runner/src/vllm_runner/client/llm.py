@@ -33,8 +33,8 @@ from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.ops.program import attach_program, encode_ops, program_digest, salted
-from vllm_runner.runtime.runtime import finished_request
 from vllm_runner.saves import wire
+from vllm_runner.saves.collection import finished_request
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,

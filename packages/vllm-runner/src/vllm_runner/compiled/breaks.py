@@ -18,8 +18,9 @@ kernels that branch on a full graph's mode choose the same way). A tap breaks vL
 breakable captures too, where a user turns them on (`VLLM_USE_BREAKABLE_CUDAGRAPH=1`), since
 its Python must run wherever a graph is replayed.
 
-This module is the taps' side and, like the taps, imports nothing from vLLM until a capture
-asks for it (the runtime runs without an engine: `test_engine_seam`).
+This module is the taps' side and, like the taps, imports nothing from vLLM (the runtime runs
+without an engine: `test_engine_seam`): the engine adapter hands it vLLM's `weak_ref_tensor`
+when it attaches (`engine.attach`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ TapBody = Callable[[list[torch.Tensor], str], None]
 #: look here.
 captures = threading.local()
 
+#: How a recorded tap refers to its tensors without keeping them alive (vLLM's
+#: `weak_ref_tensor`, set by `engine.attach`; no capture runs before an engine attached).
+weak_ref: Callable[[torch.Tensor], torch.Tensor] | None = None
+
 
 def break_at_tap(body: TapBody, tensors: list[torch.Tensor], key: str) -> bool:
     """While a breakable capture (ours, or vLLM's own) records this thread's stream, end its
@@ -49,9 +54,10 @@ def break_at_tap(body: TapBody, tensors: list[torch.Tensor], key: str) -> bool:
     capture = getattr(captures, "active", None) or _vllms_own_capture()
     if capture is None or not torch.cuda.is_current_stream_capturing():
         return False
-    from vllm.utils.torch_utils import weak_ref_tensor
-
-    held = [weak_ref_tensor(tensor) for tensor in tensors]
+    if weak_ref is None:
+        raise RuntimeError("a tap was captured before an engine adapter attached "
+                           "(vllm_runner.engine.attach sets compiled.breaks.weak_ref)")
+    held = [weak_ref(tensor) for tensor in tensors]
     add_tap = getattr(capture, "add_tap", None)  # ours: it replays only the taps a step needs
     if add_tap is not None:
         add_tap(lambda: body(held, key), key)

@@ -24,7 +24,7 @@ from vllm_runner.compiled.tap_saves import SaveRing
 from vllm_runner.compiled.tap_steering import RowTable
 from vllm_runner.ops import Add, Op, ProjectOut, Save
 from vllm_runner.ops.program import Program
-from vllm_runner.runtime.step_plan import ScheduledRequest
+from vllm_runner.ops.wants import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class GraphSteps:
         work = {}
         for location, ops in at.items():
             # A value whose availability may depend on the step is checked request by request
-            # by the general plan's serving (`serving.passed_over`).
+            # by the general plan's serving (`ops.wants.passed_over`).
             if self._values[location].eproperty.unavailable is not None:
                 return None
             if not in_graph_ops(ops, self._in_graph[location].width):

@@ -20,7 +20,7 @@ from torch import nn
 from vllm_envoys import Value
 
 from vllm_runner.ops import Save
-from vllm_runner.runtime.serving import Want, passed_over
+from vllm_runner.ops.wants import Want, passed_over
 from vllm_runner.saves.arena import PendingRows, SaveArena
 from vllm_runner.saves.store import SaveStore
 

@@ -36,7 +36,7 @@ from torch import nn
 from vllm_envoys import Value
 
 from vllm_runner.ops import Add, ProjectOut, RowOp
-from vllm_runner.runtime.serving import Want, passed_over
+from vllm_runner.ops.wants import Want, passed_over
 
 
 @dataclass(frozen=True)

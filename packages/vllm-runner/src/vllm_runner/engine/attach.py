@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_runner.compiled import breaks
 from vllm_runner.engine.compat import check_engine_config, check_runner
 
 
@@ -26,8 +27,12 @@ def v1_runner_class() -> type | None:
 
 
 def attach(runner: Any) -> None:
-    """Swap `runner`'s class for one with its adapter's mixin in front."""
+    """Swap `runner`'s class for one with its adapter's mixin in front, and hand the taps what
+    they take from vLLM (`compiled.breaks.weak_ref`)."""
     check_engine_config(runner.vllm_config)
+    from vllm.utils.torch_utils import weak_ref_tensor
+
+    breaks.weak_ref = weak_ref_tensor
     v1_runner = v1_runner_class()
     mixin: type
     if v1_runner is not None and isinstance(runner, v1_runner):

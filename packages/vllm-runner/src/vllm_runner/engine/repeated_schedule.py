@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from vllm_runner.runtime.step_plan import ScheduledRequest
+from vllm_runner.ops.wants import ScheduledRequest
 
 if TYPE_CHECKING:
     from vllm_runner.runtime.runtime import Runtime

@@ -38,8 +38,9 @@ from vllm_runner.engine.repeated_schedule import RepeatedSchedule
 from vllm_runner.engine.runtime_loading import load_runtime
 from vllm_runner.engine.swapped import swapped
 from vllm_runner.ops.program import ProgramData, program_data
+from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime.runtime import Runtime
-from vllm_runner.runtime.step_plan import NO_ROWS, ScheduledRequest, acting
+from vllm_runner.runtime.step_plan import NO_ROWS, acting
 
 
 def _extra_args(state: Any) -> dict[str, Any] | None:

@@ -43,8 +43,9 @@ from vllm_runner.engine.runtime_loading import load_runtime
 from vllm_runner.engine.swapped import swapped
 from vllm_runner.engine.v2_tap_graphs import break_at_taps, has_broken, tap_breaks_for
 from vllm_runner.ops.program import ProgramData, program_data
+from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime.runtime import Runtime
-from vllm_runner.runtime.step_plan import NO_ROWS, ScheduledRequest, acting
+from vllm_runner.runtime.step_plan import NO_ROWS, acting
 from vllm_runner.settings import breaks_at_taps
 
 #: A running request's program and its prompt's length, kept from when V2 added it.

@@ -16,8 +16,8 @@ from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
 from vllm_runner.engine.attach import attach
 from vllm_runner.errors import LocationError
-from vllm_runner.runtime.runtime import Finished
 from vllm_runner.saves import shm_files, wire
+from vllm_runner.saves.collection import Finished
 
 
 class WorkerRPC:
@@ -43,7 +43,7 @@ class WorkerRPC:
 
     def interp_collect(self, finished: list[Finished], encoded: bool = True,
                        shared_memory: str | None = None) -> dict[str, Any]:
-        """Saves and errors of finished requests (`runtime.Finished`), by program id.
+        """Saves and errors of finished requests (`saves.collection.Finished`), by program id.
 
         As plain data (`wire.encode`) for a client in another process — large ones through
         shared memory where the client sees the same as this worker (`shared_memory`, its

@@ -11,7 +11,10 @@ from typing import Any
 
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import Call, EditOp, Op, Probe
-from vllm_runner.runtime.step_plan import PER_SAMPLED_ROW
+
+#: Values whose rows are the sampled rows (one per request, its last row this step), not the
+#: step's tokens, served in this order by one hook on the logits processor.
+PER_SAMPLED_ROW = ("logits", "next_token_probs")
 
 
 def _layer_indices(selector: str, layers: int, pattern: str) -> list[int]:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from vllm_envoys import HookArgs, Value
 
-from vllm_runner.runtime.step_plan import PER_SAMPLED_ROW
+from vllm_runner.ops.locations import PER_SAMPLED_ROW
 
 SAMPLER_HOOK = "logits"
 #: The value whose module's input is the step's token ids (`TokenIdsHook`), and how a step that

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 from tokenspan import ReadMode, StepLayout
@@ -21,52 +21,25 @@ from vllm_envoys import Value, standardize
 from vllm_runner.compiled.graph_steps import GraphStep, GraphSteps
 from vllm_runner.compiled.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.compiled.opaque_calls import called_inside_opaque_ops, opaque_reason
+from vllm_runner.compiled.repeated_saves import RepeatedSaves
 from vllm_runner.compiled.tap_steering import steered_rows
 from vllm_runner.compiled.taps import install_taps, serve_taps
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import EditOp, Op
-from vllm_runner.ops.locations import resolve, unservable
+from vllm_runner.ops.locations import PER_SAMPLED_ROW, resolve, unservable
 from vllm_runner.ops.program import Program, ProgramCache, ProgramData
+from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime.hooks import EMBEDDINGS, SAMPLER_HOOK, TOKEN_IDS, Hooks, TokenIdsHook
 from vllm_runner.runtime.lens import ModelLens
 from vllm_runner.runtime.pattern_edits import PatternOutput, edit_refusal, with_pattern_outputs
 from vllm_runner.runtime.serving import OpGroup, Services, Visits, serve, token_axis_of
 from vllm_runner.runtime.sharded import ShardedValues
-from vllm_runner.runtime.step_plan import (
-    NO_VISITS,
-    PER_SAMPLED_ROW,
-    ScheduledRequest,
-    plan_step,
-)
-from vllm_runner.saves.repeated import RepeatedSaves
+from vllm_runner.runtime.step_plan import NO_VISITS, plan_step
+from vllm_runner.saves.collection import Collected, Finished
 from vllm_runner.saves.store import Keep, Places, SaveStore, ToCollect
 from vllm_runner.settings import read_mode
 
 logger = logging.getLogger("vllm.interp")
-
-
-class Finished(TypedDict):
-    """A finished request to collect: how many positions belong to its final output (prompt
-    plus generated tokens but the last) and its prompt's length."""
-
-    program_id: str
-    computed: int
-    prompt_length: int
-
-
-def finished_request(program_id: str, prompt_length: int, generated: int) -> Finished:
-    """A request that ended with `generated` tokens after a prompt of `prompt_length`: the last
-    generated token was sampled but never run through the model, so it has no saved row."""
-    return {"program_id": program_id, "computed": prompt_length + max(generated - 1, 0),
-            "prompt_length": prompt_length}
-
-
-class Collected(TypedDict):
-    """A finished request's saves (canonical location → host tensor) and why its program
-    failed, if it did."""
-
-    saved: dict[str, torch.Tensor]
-    error: str | None
 
 
 def never_ran(location: str) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,24 +30,13 @@ from vllm_runner.ops.checks import (
     non_finite_error,
     refuse_non_finite,
 )
+from vllm_runner.ops.wants import Want, passed_over
 from vllm_runner.runtime.key_history import KeyHistory, reads_pattern
 from vllm_runner.runtime.pattern_edits import EditedPatterns, is_pattern
 from vllm_runner.saves.arena import row_index
 from vllm_runner.saves.recorded import GroupRecord, offsets_in
 from vllm_runner.saves.store import SaveStore
 from vllm_runner.saves.unread_checks import UnreadChecks
-
-
-class Want(NamedTuple):
-    """One request waiting for one op at one kind of visit this step (a tuple: the step plan
-    makes one per request per op at every step with programs)."""
-
-    request_id: str
-    program_id: str
-    span: Span
-    step: Step
-    op: Op
-
 
 #: One planned read of a group and each piece's owner: (program id, first position).
 PlannedRead = tuple[RunRead, list[tuple[str, int]]]
@@ -232,12 +221,6 @@ def serve(value: Value, raw: Any, visits: Visits, services: Services) -> None:
             continue
         for want in members:
             serve_one(want, value, raw, layout, token_axis, services)
-
-
-def passed_over(want: Want, value: Value, failed: Callable[[str], bool]) -> bool:
-    """Whether `want` gets nothing at this visit: `value` cannot be served at its step, or its
-    program failed earlier (`failed`: the store's)."""
-    return value.reason(want.step) is not None or failed(want.program_id)
 
 
 def failed_check(op: Op, store: SaveStore) -> Callable[[str], bool]:

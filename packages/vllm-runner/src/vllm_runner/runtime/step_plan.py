@@ -13,30 +13,17 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from tokenspan import Span, StepLayout
 from vllm_envoys import Step
 
 from vllm_runner.ops import Op
-from vllm_runner.ops.program import Program
-from vllm_runner.runtime.serving import OpGroup, Visits, Want
-
-#: Values whose rows are the sampled rows (one per request, its last row this step), not the
-#: step's tokens, served in this order by one hook on the logits processor.
-PER_SAMPLED_ROW = ("logits", "next_token_probs")
+from vllm_runner.ops.locations import PER_SAMPLED_ROW
+from vllm_runner.ops.wants import ScheduledRequest, Want
+from vllm_runner.runtime.serving import OpGroup, Visits
 
 NO_ROWS = StepLayout.from_counts([], [], [])
 NO_VISITS = Visits(NO_ROWS)
-
-
-class ScheduledRequest(NamedTuple):
-    """A request of this step that runs a program, as the engine adapter hands it over (a
-    tuple: the adapters make one per request per step)."""
-
-    request_id: str
-    program: Program
-    prompt_length: int
 
 
 @dataclass(frozen=True)

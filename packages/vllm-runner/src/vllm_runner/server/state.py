@@ -17,8 +17,8 @@ from vllm_runner.ops import Op, Save
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import unservable
 from vllm_runner.ops.program import encode_ops, program_digest
-from vllm_runner.runtime.runtime import finished_request
 from vllm_runner.saves import wire
+from vllm_runner.saves.collection import finished_request
 from vllm_runner.server.json_ops import InterventionInputError, ops_from_json, saves_to_json
 from vllm_runner.server.kept_saves import KeptSaves, OverBudget
 from vllm_runner.server.requests import Plan
