@@ -90,7 +90,7 @@ suites() {
   # (b) [C]'s suite with transformers on the same GPU (`suites envoys`), or [D]'s with its oracle
   # on the CPU (`suites runner`): each fits one 10-minute call. The tests that need the embedded
   # model or the CLI are left out, the interrupt test (it expects the CPU's in-process engine),
-  # mypy's (not staged) and the server's unless our wheels were installed (`install_ours`: they
+  # and the server's unless our wheels were installed (`install_ours`: they
   # start the `vllm-interp` command); tensor parallelism runs where there are two GPUs.
   local which=${1:-envoys} report=(-q -p no:cacheprovider --tb=short -rfE "${@:2}")
   # Side-by-side workers share the host's cores (their CPU oracles, transformers' threads).
@@ -123,7 +123,7 @@ suites() {
       [ "$(basename "$f")" = "$server" ] && continue
       case $(basename "$f") in
         test_embedded.py|test_cli.py|test_extract.py|test_guide.py|test_readme.py|\
-          test_interrupt.py|test_tensor_parallel.py|test_server_docs.py|test_types.py) ;;
+          test_interrupt.py|test_tensor_parallel.py|test_server_docs.py) ;;
         *) files+=("$f") ;;
       esac
     done
