@@ -269,3 +269,15 @@ def bench(session: nox.Session, package: str) -> None:
     _install(session, *map(str, _with_local_dependencies(package_dir)), "rich", *group,
              package_dirs=[package_dir])
     session.run("python", str(script), *session.posargs)
+
+
+@nox.session(python="3.11", default=False)
+@nox.parametrize("package", list(_package_dirs()))
+def release(session: nox.Session, package: str) -> None:
+    """Release one package: `nox -s "release(package='tokenspan')" -- 0.1.1` sets its version,
+    dates its CHANGELOG's Unreleased section and builds its wheel and sdist into dist/
+    (tools/release.py); the other packages keep theirs."""
+    if len(session.posargs) != 1:
+        session.error("give the new version after `--`, e.g. -- 0.1.1")
+    session.install("build>=1.2", "packaging>=24")
+    session.run("python", str(ROOT / "tools" / "release.py"), package, *session.posargs)

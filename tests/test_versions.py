@@ -1,7 +1,10 @@
-"""Each package's wheel takes its version from its own tags (`<dist>-vX.Y.Z`), never a sibling's."""
+"""Each package's version lives in its own pyproject.toml, so every clone builds the released
+numbers; releasing one package (tools/release.py) changes that package alone."""
 
 from __future__ import annotations
 
+import datetime
+import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -9,19 +12,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(path.parent for path in (ROOT / "packages").glob("*/pyproject.toml"))
 
 
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=versions-test", "-c", "user.email=versions-test@example.invalid"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, text=True,
-                          capture_output=True).stdout.strip()
-
-
-def dist_name(package_dir: Path) -> str:
-    return tomllib.loads((package_dir / "pyproject.toml").read_text())["project"]["name"]
+def project(package_dir: Path) -> dict:
+    return tomllib.loads((package_dir / "pyproject.toml").read_text())["project"]
 
 
 def built_version(package_dir: Path, out: Path) -> str:
@@ -32,7 +31,7 @@ def built_version(package_dir: Path, out: Path) -> str:
         capture_output=True, text=True,
     )
     assert result.returncode == 0, f"building {package_dir.name} failed:\n{result.stderr[-3000:]}"
-    (wheel,) = out.glob(f"{dist_name(package_dir).replace('-', '_')}-*.whl")
+    (wheel,) = out.glob(f"{project(package_dir)['name'].replace('-', '_')}-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         metadata = next(name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
         for line in archive.read(metadata).decode().splitlines():
@@ -41,31 +40,65 @@ def built_version(package_dir: Path, out: Path) -> str:
     raise AssertionError(f"no Version in {wheel}")
 
 
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A throwaway clone of this repository, where tags can be made freely."""
-    repo = tmp_path_factory.mktemp("clone") / "repo"
-    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(repo)], check=True)
-    for tag in git(repo, "tag", "--list").split():
-        git(repo, "tag", "--delete", tag)
-    return repo
+@pytest.mark.parametrize("package_dir", PACKAGES, ids=lambda path: path.name)
+def test_the_wheel_reports_the_released_version_written_in_the_repository(
+        package_dir: Path, tmp_path: Path) -> None:
+    written = project(package_dir)["version"]
+    assert not Version(written).is_devrelease and not Version(written).local
+    assert built_version(package_dir, tmp_path) == written
+    changelog = (package_dir / "CHANGELOG.md").read_text()
+    assert f"\n## {written} — " in changelog, "the CHANGELOG has a section for the release"
 
 
 @pytest.mark.parametrize("package_dir", PACKAGES, ids=lambda path: path.name)
-def test_version_comes_from_own_tag_not_a_siblings(clone: Path, package_dir: Path,
-                                                   tmp_path: Path) -> None:
-    name = dist_name(package_dir)
-    relative = package_dir.relative_to(ROOT)
-    git(clone, "tag", f"{name}-v1.4.2")
-    git(clone, "tag", "zz-sibling-v9.9.9")  # a sibling's newer tag on the same commit
-    assert built_version(clone / relative, tmp_path / "tagged") == "1.4.2"
+def test_siblings_are_required_within_their_released_minor_version(package_dir: Path) -> None:
+    versions = {project(path)["name"]: Version(project(path)["version"]) for path in PACKAGES}
+    declared = [*project(package_dir).get("dependencies", []),
+                *(item for extra in project(package_dir).get("optional-dependencies", {}).values()
+                  for item in extra)]
+    for requirement in map(Requirement, declared):
+        if requirement.name in versions:
+            released = versions[requirement.name]
+            assert requirement.specifier.contains(released), (requirement, released)
+            assert not requirement.specifier.contains(Version(f"{released.major}."
+                                                              f"{released.minor + 1}.0")), \
+                f"{requirement} admits the next minor version of {requirement.name}"
 
-    # One commit later a sibling is released again; this package's version still derives from
-    # its own last tag (next patch, dev distance 1), not from the sibling's 9.9.9 or 10.0.0.
-    git(clone, "commit", "--quiet", "--allow-empty", "-m", "a later change")
-    git(clone, "tag", "zz-sibling-v10.0.0")
-    later = built_version(clone / relative, tmp_path / "later")
-    assert later.startswith("1.4.3.dev1+g"), later
-    git(clone, "reset", "--quiet", "--hard", "HEAD~1")
-    for tag in (f"{name}-v1.4.2", "zz-sibling-v9.9.9", "zz-sibling-v10.0.0"):
-        git(clone, "tag", "--delete", tag)
+
+def _release_module():
+    spec = importlib.util.spec_from_file_location("release", ROOT / "tools" / "release.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_releasing_one_package_changes_that_package_alone(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(repo)], check=True)
+    release = _release_module()
+    release.ROOT = repo
+    target = repo / "packages" / "tokenspan"
+    changelog = target / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text().replace(
+        "## Unreleased\n", "## Unreleased\n\n- A change worth a release.\n", 1))
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t.invalid",
+                    "commit", "--quiet", "-am", "a change"], check=True)
+    old = Version(project(target)["version"])
+    new = f"{old.major}.{old.minor}.{old.micro + 1}"
+    release.release("tokenspan", new, build=False, today=datetime.date(2027, 1, 2))
+
+    changed = subprocess.run(["git", "-C", str(repo), "diff", "--name-only"], check=True,
+                             capture_output=True, text=True).stdout.split()
+    assert sorted(changed) == ["packages/tokenspan/CHANGELOG.md",
+                               "packages/tokenspan/pyproject.toml"]
+    assert project(target)["version"] == new
+    text = changelog.read_text()
+    assert text.index("## Unreleased\n") < text.index(f"## {new} — 2027-01-02\n\n"
+                                                      "- A change worth a release.")
+    with pytest.raises(SystemExit, match="already"):
+        release.release("tokenspan", str(old), build=False)
+    with pytest.raises(SystemExit, match="nothing under"):
+        release.release("tokenspan", f"{old.major}.{old.minor + 1}.0", build=False)
+    with pytest.raises(SystemExit, match="no package 'tokenspam'"):
+        release.release("tokenspam", "9.0.0", build=False)
