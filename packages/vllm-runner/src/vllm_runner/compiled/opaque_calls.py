@@ -9,8 +9,8 @@ with `runtime.never_ran`), but a tap there can never be served, so it is refused
 Only a compiled engine is concerned (an eager one runs every module's Python at every
 forward). vLLM's fused mixture-of-experts runner is such a caller on a GPU: its forward enters
 `torch.ops.vllm.moe_forward` (or `moe_forward_shared`), inside which it applies the router gate
-it holds (Qwen3-MoE, DeepSeek-V2 in vLLM 0.33: a tap at their `router_logits` never ran there,
-H200, 2026-12-03). On the CPU the same runner calls the op's Python directly, which Dynamo
+it holds (Qwen3-MoE, DeepSeek-V2 in vLLM 0.33: a tap at their `router_logits` never runs
+there). On the CPU the same runner calls the op's Python directly, which Dynamo
 traces, so taps there work. The runner says which it does in `_forward_entry` (vLLM 0.32 and
 0.33).
 """

@@ -1,14 +1,13 @@
 """Saves at graph taps over a run of decode steps, kept once a step instead of once a request.
 
-A step served inside the graph (`graph_steps`) copies its saving requests' rows from the taps'
-rings into the save arena, and the store then gives each request its rows (`PendingRows.add`):
-~1 µs of host time a request a step, with the sorting and the runs of adjacent requests around
-it ~75 µs of the ~150 µs a step of 64 decodes cost on this project's CPU (2026-12-03), on a GPU
-where such a step takes ~3 ms and the engine waits on the host. Decode steps with an unchanged
-schedule (`repeated_schedule`; `GraphSteps.plan` then hands over the very same list of saving
-rows) put every request at the same place in the step's rows, so a run of such steps keeps one
-`(block, row)` a step in a `SharedRows` its requests are members of, and writes the same runs
-of adjacent rows.
+A step served inside the graph (`graph_steps`) copies its saving requests' rows from the taps' rings
+into the save arena, and the store then gives each request its rows (`PendingRows.add`): ~1 µs of
+host time a request a step, and with the sorting and the runs of adjacent requests around it about
+half of such a step's host work, on a GPU where the engine waits on the host. Decode steps with an
+unchanged schedule (`repeated_schedule`; `GraphSteps.plan` then hands over the very same list of
+saving rows) put every request at the same place in the step's rows, so a run of such steps keeps
+one `(block, row)` a step in a `SharedRows` its requests are members of, and writes the same runs of
+adjacent rows.
 
 A step extends the run only when it is given the same list of rows, the run still takes steps
 (none of its members' rows has been taken out, dropped or spilled: `SharedRows.open`) and every

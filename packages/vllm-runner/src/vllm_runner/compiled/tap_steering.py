@@ -14,7 +14,7 @@ step that does not steer adds zeros.
 Filling must not make the host wait for the device: vLLM's V2 runner prepares a step while the
 GPU still runs the last one, and a copy from ordinary host memory waits for the GPU to finish
 everything queued first (three such copies a step halved throughput with every request
-steered, H200, 2026-12-02). So the host data crosses through pinned buffers with copies that do
+steered). So the host data crosses through pinned buffers with copies that do
 not wait (`StagedCopies`), and requests running the same program share one vector, computed
 once (`VectorCache`): the table is rewritten only when the step's set of vectors changes.
 

@@ -178,12 +178,11 @@ def install_taps(values: list[Value], steers: Mapping[str, Steer] | None = None
     model: a hook added after Dynamo's one trace is never seen), one op for all the values at
     one module side, served in the order given.
 
-    One op per module side, never one per value: two ops that declare they mutate the same
-    tensors, one after the other, make the compiler regenerate a strided view (the attention's
-    value rows, a slice of the fused projection) from a copy of its base, and torch 2.13 got
-    that wrong — taps at a layer's keys and values gave NaN logits to every request (seen on
-    2026-12-02). The hooks run in eager forwards too, so a tapped location is served by its
-    tap alone, never by a second, ordinary hook.
+    One op per module side, never one per value: two ops that declare they mutate the same tensors,
+    one after the other, make the compiler regenerate a strided view (the attention's value rows, a
+    slice of the fused projection) from a copy of its base, and torch 2.13 got that wrong — taps at
+    a layer's keys and values gave NaN logits to every request. The hooks run in eager forwards too,
+    so a tapped location is served by its tap alone, never by a second, ordinary hook.
 
     `steers` (by location) add their rows' vectors in the graph before the op runs
     (`tap_steering`)."""

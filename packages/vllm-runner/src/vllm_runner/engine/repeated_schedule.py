@@ -1,14 +1,13 @@
 """The last step's requests with programs, reused by a step that schedules the same requests.
 
-A run of decode steps schedules the same requests in the same order step after step. Finding
-each one's program again (its `extra_args`, the runtime's checks, a `ScheduledRequest` each) was
-a third of the host work of a step whose programs run inside the graph: ~60 µs of ~170 for 64
-decodes on this project's CPU (2026-12-03), on a GPU where such a step takes ~4 ms and the
-engine waits on the host. The next step reuses the list when it schedules the same requests, in
-the same order, each with the very object the adapter keeps for it (V1's request state, V2's
-kept program, or `None` for a request without one), and no program has failed since the list
-was made (a failed program is left out of it, so a failure makes the list stale). The rows
-change from step to step and are not part of what is reused: the adapters build the layout anew.
+A run of decode steps schedules the same requests in the same order step after step. Finding each
+one's program again (its `extra_args`, the runtime's checks, a `ScheduledRequest` each) is a large
+share of the host work of a step whose programs run inside the graph, where the engine waits on the
+host (docs/cuda-graphs-design.md). The next step reuses the list when it schedules the same
+requests, in the same order, each with the very object the adapter keeps for it (V1's request state,
+V2's kept program, or `None` for a request without one), and no program has failed since the list
+was made (a failed program is left out of it, so a failure makes the list stale). The rows change
+from step to step and are not part of what is reused: the adapters build the layout anew.
 """
 
 from __future__ import annotations

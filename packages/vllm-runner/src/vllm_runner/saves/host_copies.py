@@ -7,13 +7,12 @@ slower still. So device tensors are joined per dtype and copied in batches throu
 staging buffer, allocated once per worker and reused, then copied from it into host tensors of
 their own; the extra device memory of a batch stays bounded by the buffer's size.
 
-That last copy writes into fresh memory, and first writes to fresh pages are what cost (the
-kernel faults each page in and zeroes it): one thread wrote 1.1 MB pieces at ~2.4 GB/s on the
-H200's host, 48 ms of a 0.73 s run saving one layer of Llama-1B for 64 requests (2026-12-04). The
-copy is split by bytes over a few threads (`LANDING_THREADS`; torch's copies release the GIL), so
-the faults are taken on several cores at once. Saves bound for a file in shared memory (a client
-in another process: `wire`) skip that copy: their bytes go from the staging buffer straight into
-the file (`FileFor`).
+That last copy writes into fresh memory, and first writes to fresh pages are what cost (the kernel
+faults each page in and zeroes it), at a few GB/s for one thread: a noticeable share of a run that
+saves one layer for every request (docs/benchmarks.md). The copy is split by bytes over a few
+threads (`LANDING_THREADS`; torch's copies release the GIL), so the faults are taken on several
+cores at once. Saves bound for a file in shared memory (a client in another process: `wire`) skip
+that copy: their bytes go from the staging buffer straight into the file (`FileFor`).
 
 The staging buffer has two halves, each a batch: a batch's device-to-host copy is launched
 into one half without waiting, and the host then writes out the batch before it from the other

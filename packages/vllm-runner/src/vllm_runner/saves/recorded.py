@@ -3,9 +3,9 @@ of once a request at every location.
 
 A group of requests saving at every layer (`Save("layers.*.layer_output")` on 64 requests) is
 read once per run of adjacent rows at each layer (`serving._save_together`); cutting each read
-into one view and one store entry per request cost ~3 µs a request at every layer of every
-step: with 30 layers and 64 requests, ~6 ms of a step's host time (`tap_cost.py`, this
-project's CPU, 2026-12-05), on a GPU whose piecewise step takes a few ms. Here the step's reads are
+into one view and one store entry per request costs a few µs a request at every layer of every
+step: with 30 layers and 64 requests, milliseconds of a step's host time
+(`benchmarks/tap_cost.py`), on a GPU whose piecewise step takes a few ms. Here the step's reads are
 kept as they are, in one `StepRecord` per group and step, and each request keeps where its rows
 are (`RecordedRows`: one object for every location and every step whose positions follow on,
 added to once a step). The views are cut when the rows are taken out (collection, or moving

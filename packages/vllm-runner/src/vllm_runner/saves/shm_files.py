@@ -1,16 +1,14 @@
 """Files in shared memory (`/dev/shm`) that carry a request's saves from the engine core's process
 to its client on the same host, instead of vLLM's socket.
 
-With the engine core in a process of its own (vLLM's default on a GPU), saves sent as message
-bytes were copied four more times after the worker had them (into the message, through the
-socket twice, out of the message): 0.13-0.16 s for 71 MB on the H200's host, against 0.016 s
-with the client in the engine core's process (Llama-1B, one layer saved for 64 requests,
-2026-12-04). Through a file the worker copies each tensor once, with `pwrite` (no mapping: a full
-`/dev/shm` is an error there, never a SIGBUS later; and no page is zeroed before it is written)
-straight from its staging buffer as the saves reach the host (`SharedFile`, written by
-`host_copies.ToHost`), and the client maps the file and unlinks it at once: the tensors are
-views of that mapping, memory of their own that is freed when the last of the request's tensors
-is.
+With the engine core in a process of its own (vLLM's default on a GPU), saves sent as message bytes
+were copied four more times after the worker had them (into the message, through the socket twice,
+out of the message): several times the cost of the same saves with the client in the engine core's
+process (docs/benchmarks.md). Through a file the worker copies each tensor once, with `pwrite` (no
+mapping: a full `/dev/shm` is an error there, never a SIGBUS later; and no page is zeroed before it
+is written) straight from its staging buffer as the saves reach the host (`SharedFile`, written by
+`host_copies.ToHost`), and the client maps the file and unlinks it at once: the tensors are views of
+that mapping, memory of their own that is freed when the last of the request's tensors is.
 
 Shared memory is shared with vLLM's own message queues and with every other program on the host,
 and saves a client keeps stay in it: a file is written only while a quarter of `/dev/shm` (at

@@ -53,7 +53,7 @@ class Chunk(list[Any]):
     until the store takes them out (`_resolved`). A list, so that `host_copies` swaps its rows
     for host ones in place (`chunk[1]`); built by list's own constructor, with no Python
     `__init__`, because a step saving every layer for 64 requests makes thousands (a Python
-    constructor was a quarter of a tap's cost in `save_rows`, CPU profile 2026-12-02)."""
+    constructor was a large share of a tap's cost in `save_rows`)."""
 
     __slots__ = ()
 

@@ -8,8 +8,8 @@ and raw bytes. This costs two copies fewer than `torch.save`/`torch.load` around
 
 Where the worker's result goes straight to vLLM's msgpack encoder (the worker runs in the engine
 core's process: `views=True`), each tensor's bytes travel as a memoryview of its memory, which the
-encoder reads once into its message; `bytes` would copy them first (68 MB of saves: ~50 ms of
-the worker's time on this project's CPU, 2026-12-03). Under tensor parallelism the result is
+encoder reads once into its message; `bytes` would copy them first, in the worker's time.
+Under tensor parallelism the result is
 pickled to the engine core first, and pickle refuses memoryviews: there they travel as `bytes`.
 
 The client copies each tensor out of the received message into memory of its own, on several
