@@ -17,15 +17,13 @@ from typing import Any
 from tokenspan import ReadMode
 from vllm import SamplingParams
 
+from vllm_runner.client.collection import collect_async, finished_output
 from vllm_runner.client.engine_start import choose_defaults
 from vllm_runner.client.llm import as_prompt_dict, prepare_engine
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.ops.program import attach_program, encode_ops, program_digest, salted
-from vllm_runner.saves import wire
-from vllm_runner.saves.collection import finished_request
-from vllm_runner.settings import shared_saves_memory
 
 logger = logging.getLogger("vllm.interp")
 
@@ -130,11 +128,8 @@ class AsyncLLM:
                           int(model_config.max_model_len))
 
     async def _collect(self, output: Any, program_id: str) -> None:
-        generated = len(output.outputs[0].token_ids) if output.outputs else 0
-        finished = [finished_request(program_id, len(output.prompt_token_ids or ()), generated)]
-        (data, *_) = await self.engine.collective_rpc(
-            "interp_collect", args=(finished, True, shared_saves_memory()))
-        result = wire.decode(data).get(program_id, {})
+        collected = await collect_async(self.engine, [finished_output(output, program_id)])
+        result = collected.get(program_id, {})
         _with_results(output, result.get("saved", {}), result.get("error"))
         if output.error is not None:
             logger.warning("request %s: its program failed; its text still came back "

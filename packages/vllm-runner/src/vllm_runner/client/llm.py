@@ -22,6 +22,12 @@ import vllm
 from tokenspan import ReadMode
 from vllm import SamplingParams
 
+from vllm_runner.client.collection import (
+    COLLECT_RPC,
+    collect_arguments,
+    collected_from,
+    finished_output,
+)
 from vllm_runner.client.engine_start import eager_by_default, start
 from vllm_runner.client.samples import Fanned, fan_keywords, label_completions, merge, sample_params
 from vllm_runner.client.trace import Trace
@@ -33,8 +39,6 @@ from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.ops.program import attach_program, encode_ops, program_digest, salted
-from vllm_runner.saves import wire
-from vllm_runner.saves.collection import finished_request
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
@@ -514,15 +518,12 @@ class LLM:
             program_id = program_ids.get(output.request_id)
             if program_id is None:
                 continue
-            generated = len(output.outputs[0].token_ids) if output.outputs else 0
-            finished.append(finished_request(program_id, len(output.prompt_token_ids),
-                                             generated))
+            finished.append(finished_output(output, program_id))
         if not finished:
             return
         in_process = vllm_client.runs_in_process(self.engine)
-        (data, *_) = self._rpc("interp_collect", (finished, not in_process,
-                                                  None if in_process else shared_saves_memory()))
-        collected = data if in_process else wire.decode(data)
+        (data, *_) = self._rpc(COLLECT_RPC, collect_arguments(finished, in_process))
+        collected = collected_from(data, in_process)
         for output in outputs:
             program_id = program_ids.get(output.request_id)
             if program_id is not None:

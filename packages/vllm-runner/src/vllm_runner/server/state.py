@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import Request
 from vllm import SamplingParams
 
+from vllm_runner.client.collection import collect_async
 from vllm_runner.ops import Op, Save
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import unservable
 from vllm_runner.ops.program import encode_ops, program_digest
-from vllm_runner.saves import wire
 from vllm_runner.saves.collection import finished_request
 from vllm_runner.server.json_ops import InterventionInputError, ops_from_json, saves_to_json
 from vllm_runner.server.kept_saves import KeptSaves, OverBudget
@@ -30,7 +30,6 @@ from vllm_runner.server.value_shapes import (
     shapes_from_saves,
 )
 from vllm_runner.server.vector_registry import VectorRegistry
-from vllm_runner.settings import shared_saves_memory
 
 
 class OverTheBudget(InterventionInputError):
@@ -165,9 +164,7 @@ class ServerState:
         finished = [finished_request(program_id, prompt_lengths.get(index, 0),
                                      generated.get(index, 0))
                     for index, program_id in enumerate(plan.program_ids)]
-        (data, *_) = await self.engine.collective_rpc(
-            "interp_collect", args=(finished, True, shared_saves_memory()))
-        collected = wire.decode(data)
+        collected = await collect_async(self.engine, finished)
         return [collected.get(program_id, {}) for program_id in plan.program_ids]
 
     def _interp(self, collected: dict[str, Any], mode: str) -> dict[str, Any]:
