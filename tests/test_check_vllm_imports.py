@@ -25,6 +25,8 @@ def test_a_moved_name_is_reported_and_a_fallback_is_not(tmp_path: Path) -> None:
     ours = tmp_path / "ours"
     ours.mkdir()
     (ours / "plain.py").write_text("from vllm.old import moved\nimport vllm.gone\n")
+    (ours / "adapter.py").write_text(  # adapts a module this release lacks: never imported
+        'from vllm.gone import Runner\nADAPTED_MODULE = "vllm.gone"\n')
     (ours / "fallback.py").write_text(
         "try:\n    from vllm.new import moved\nexcept ImportError:\n"
         "    from vllm.old import moved\n")

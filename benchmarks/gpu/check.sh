@@ -44,6 +44,8 @@ python=python3
 
 install() {
   (cd /tmp/stage && cat part* | (mkdir -p w && tar x -C w)) &&
+    # vLLM 0.34's extra wheels (benchmarks/gpu/stage-0.34-extra.sh), a tar of their own.
+    (cd /tmp/stage && if ls xpart* > /dev/null 2>&1; then cat xpart* | tar x -C w; fi) &&
     $python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/w/*.whl &&
     $python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" &&
     install_ours

@@ -42,6 +42,10 @@ from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime.runtime import Runtime
 from vllm_runner.runtime.step_plan import NO_ROWS, acting
 
+#: The vLLM module this adapter reads: vLLM 0.34 removed it, and `engine.attach` imports this
+#: adapter only for the runner it defines.
+ADAPTED_MODULE = "vllm.v1.worker.gpu_model_runner"
+
 
 def _extra_args(state: Any) -> dict[str, Any] | None:
     params = getattr(state, "sampling_params", None)
