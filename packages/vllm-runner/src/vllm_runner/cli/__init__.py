@@ -146,8 +146,8 @@ def _llm(arguments: argparse.Namespace) -> Any:
 
     engine: dict[str, Any] = dict(arguments.engine_arg)
     # Every request of these commands runs a program at locations no tap serves, so a compiled
-    # engine would run each step uncompiled after minutes of compiling and graph capture (on
-    # the H200 vLLM's default engine took 118 s to start): eager unless the user asks.
+    # engine would run each step uncompiled after minutes of compiling and graph capture:
+    # eager unless the user asks.
     engine.setdefault("enforce_eager", True)
     for name in ("max_model_len", "dtype", "gpu_memory_utilization", "kv_cache_memory_bytes"):
         if getattr(arguments, name) is not None:

@@ -27,7 +27,7 @@ logger = logging.getLogger("vllm.interp")
 
 GIB = 2**30
 #: The largest KV cache chosen for the user: 44k tokens of SmolLM2 in float32, plenty on a CPU,
-#: and quick to allocate (a 3.8 GiB cache took 10 s of start-up on 2 cores).
+#: and quick to allocate (a cache twice that size takes seconds of start-up on 2 cores).
 CPU_KV_CACHE_CAP = 2 * GIB
 #: Left free for activations, the tokenizer and the user's own tensors.
 CPU_HEADROOM = 1 * GIB

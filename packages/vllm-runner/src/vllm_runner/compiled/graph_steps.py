@@ -1,12 +1,11 @@
 """Steps whose programs all run inside the graph: planned per program, not per request.
 
-The general plan (`step_plan`) makes a `Want` per request per op, for the taps' Python to serve
-row by row. At ~7 µs a request a step that was most of what steering or saving at a graph tap
-cost (64 decodes: ~450 µs of host time on this project's CPU; a GPU decode step of the
-SmolLM2-135M shape takes ~3 ms on the H200). When every program of a step acts only at graph
-taps, with only work the graph does (`in_graph`) and no position filter on an `Add`, the step
-needs no wants: what each program does at each graph tap is worked out once (`GraphWork`), and
-per request the step needs only its steering slot and the rows it saves, as plain numbers.
+The general plan (`step_plan`) makes a `Want` per request per op, for the taps' Python to serve row
+by row. At several µs a request a step that was most of what steering or saving at a graph tap cost,
+against a GPU decode step of a small model of a few ms. When every program of a step acts only at
+graph taps, with only work the graph does (`in_graph`) and no position filter on an `Add`, the step
+needs no wants: what each program does at each graph tap is worked out once (`GraphWork`), and per
+request the step needs only its steering slot and the rows it saves, as plain numbers.
 """
 
 from __future__ import annotations

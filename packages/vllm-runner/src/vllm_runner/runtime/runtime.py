@@ -615,8 +615,8 @@ def keep_logits_finite(logits: Any) -> None:
     An edit can make a request's later values non-finite with nothing to refuse where it is
     made (a finite `Scale` by 1e30 overflows the next layers; a `Call` in view mode has written
     already). vLLM's V2 sampler then picks an out-of-range token on the GPU, and the next step's
-    embedding lookup fails a device-side assert that stops the engine for every request (seen
-    on the H200, vLLM 0.33). Finite logits are unchanged (other requests' rows are untouched),
+    embedding lookup fails a device-side assert that stops the engine for every request (vLLM
+    0.33 on a GPU). Finite logits are unchanged (other requests' rows are untouched),
     and `-inf` stays: it bans a token."""
     if isinstance(logits, torch.Tensor) and logits.is_floating_point():
         torch.nan_to_num_(logits, nan=0.0, posinf=torch.finfo(logits.dtype).max,

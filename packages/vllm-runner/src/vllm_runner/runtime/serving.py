@@ -694,9 +694,9 @@ _CLONE_ALL: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]] | None = geta
 def private_copies(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each piece in memory of its own (a function handed one cannot reach another
     request's rows through its storage), made by one multi-tensor kernel where a `clone` each
-    would launch one a request. `_foreach_clone` allocates them in C++: 92 µs of host time for
-    64 rows on an H100 host, where an `empty_like` each and `_foreach_copy_` took 147 and a
-    `clone` each 426 (`benchmarks/gpu/private_copies.py`). A torch without that op (it is
+    would launch one a request. `_foreach_clone` allocates them in C++, faster than an
+    `empty_like` each and `_foreach_copy_`, and several times faster than a `clone` each
+    (`benchmarks/gpu/private_copies.py`). A torch without that op (it is
     recent) makes them as before."""
     if not pieces:
         return []

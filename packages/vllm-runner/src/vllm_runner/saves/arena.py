@@ -1,8 +1,8 @@
 """Rows saved at graph taps over many steps, kept in device blocks until collection.
 
 A step saving at a graph tap (`tap_saves`) used to keep one tensor per request: a view costs
-~2 µs of host time, so 64 saving requests cost ~130 µs a step per tap, on a GPU where the whole
-step takes ~3 ms (SmolLM2-135M shape, H200), and collection then joined every step's piece again.
+microseconds of host time, so 64 saving requests cost a visible share of a GPU step of a small
+model per tap, and collection then joined every step's piece again.
 Here a step's rows are copied, one copy per run of adjacent saving requests, into rows of a
 block, and each request keeps only where its rows went (`PendingRows`: plain ints, one object for
 all the steps whose positions follow on). At collection the rows of many requests come out
@@ -272,10 +272,10 @@ def gather_together(waiting: Iterable[tuple[PendingRows, str]]) -> None:
     with one `index_select` and one `index_copy_` per block, and its indices sent to the device
     in one copy per arena; each request's `gather` then returns its slice of it. Request by
     request, a collection ran one `index_select` per block a request's rows are in and a `cat`:
-    for 64 requests saving one graph tap over a wave, ~250 operators of 10-20 µs of host time
-    each, and the worker's collection took 28-30 ms on the H200 where the copies to the host
-    took 11 (with each request's indices copied to the device on their own, a blocking copy
-    that waits for the work queued before it, it had been 30 ms too).
+    for 64 requests saving one graph tap over a wave, hundreds of small operators, which took
+    the worker's collection to several times what its copies to the host took (and each
+    request's indices copied to the device on their own, a blocking copy that waits for the
+    work queued before it, cost as much again).
 
     The new tensors hold every row of `waiting` on the device at once: the caller bounds it
     (`SaveStore.collect` passes at most a staging buffer's worth at a time)."""

@@ -1,11 +1,11 @@
 """Moving saved tensors from a GPU to the host in few, fast copies.
 
-A copy per tensor waits for the device each time (with every layer saved for 64 requests that
-was 13% of a run on the H200), and a copy into fresh pageable memory ran at ~1.4 GB/s there (page
-faults: 2.3 s of a 5.4 s run saving every layer's MLP neurons); a pinned allocation per copy was
-slower still. So device tensors are joined per dtype and copied in batches through one pinned
-staging buffer, allocated once per worker and reused, then copied from it into host tensors of
-their own; the extra device memory of a batch stays bounded by the buffer's size.
+A copy per tensor waits for the device each time (with every layer saved for 64 requests, a
+noticeable share of a run), and a copy into fresh pageable memory is slowed by page faults (most of
+the cost of a run saving every layer's MLP neurons); a pinned allocation per copy is slower still
+(docs/benchmarks.md). So device tensors are joined per dtype and copied in batches through one
+pinned staging buffer, allocated once per worker and reused, then copied from it into host tensors
+of their own; the extra device memory of a batch stays bounded by the buffer's size.
 
 That last copy writes into fresh memory, and first writes to fresh pages are what cost (the kernel
 faults each page in and zeroes it), at a few GB/s for one thread: a noticeable share of a run that
@@ -17,7 +17,7 @@ that copy: their bytes go from the staging buffer straight into the file (`FileF
 The staging buffer has two halves, each a batch: a batch's device-to-host copy is launched
 into one half without waiting, and the host then writes out the batch before it from the other
 half, so the device's copy (and the gathers queued before it) overlap the host's writes —
-with every layer saved for 64 requests a collection is ~17 batches (1.1 GB on the H200).
+with every layer saved for 64 requests a collection is many batches.
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ class SaveStore:
     """Rows saved per request, as the chunks each step saved; freed when collected or dropped.
 
     On a GPU, saves stay there while their request runs: queueing a copy into pinned host
-    memory at every save measured 4x slower on the H200 (pinned allocations), and a copy that
-    waits would stall the GPU at every hooked layer. Past a limit they are moved to the host
+    memory at every save is several times slower (pinned allocations), and a copy that waits
+    would stall the GPU at every hooked layer. Past a limit they are moved to the host
     together (`spill`), and the rest at collection, in batched copies (`host_copies`)."""
 
     def __init__(self) -> None:

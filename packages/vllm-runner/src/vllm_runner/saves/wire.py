@@ -14,7 +14,7 @@ pickled to the engine core first, and pickle refuses memoryviews: there they tra
 
 The client copies each tensor out of the received message into memory of its own, on several
 threads at once (`host_copies.land`): like the worker's copies out of its staging buffer, these
-write fresh pages, one thread's ~3.5 GB/s on the H200's host.
+write fresh pages, which one thread alone does at a few GB/s.
 
 A client on the worker's host with a single worker takes large saves through files in shared
 memory instead (`shm_files`, `SharedFiles`): the collection writes them there from its staging

