@@ -4,7 +4,7 @@ On a GPU the compiled engine is host-bound for small models (~3 ms a step for 64
 SmolLM2-135M on the H200), so every microsecond of Python a step with programs adds costs
 throughput one for one. A whole generate on this CPU is too noisy (±20% run to run) to see
 tens of microseconds, so this times only what the V2 adapter and the runtime do per step —
-`vllm_v2_runner.scheduled_step` (with the adapter's `RepeatedSchedule`), the CUDA-graph
+`engine.v2_runner.scheduled_step` (with the adapter's `RepeatedSchedule`), the CUDA-graph
 choice's checks, `Runtime.begin_step` and
 `end_step` — on decode steps of N requests, with the runtime of a real (tiny, in-process)
 engine, and the collection of their saves at the end:

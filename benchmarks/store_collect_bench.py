@@ -3,7 +3,7 @@
 `collect_apart_probe.py` put the worker's collection at 28-30 ms on the H200 for 64 requests
 saving one Llama-1B layer's graph tap, where copying the same bytes to the host alone
 (`collect_path_bench.py`) took 11: the rest is taking each request's rows out of the graph taps'
-arena (`save_arena`) and the store's own work. This fills a `SaveStore` as the engine's steps do
+arena (`saves.arena`) and the store's own work. This fills a `SaveStore` as the engine's steps do
 (prompts prefilled in chunks of `--budget` tokens, then one row per request per decode step, all
 in one arena) and times `SaveStore.collect` alone, every result kept; `--profile` prints the
 torch operators it ran and their counts (what a per-request loop multiplies).

@@ -1,14 +1,14 @@
 """What a replay of a full CUDA graph broken at the taps costs the host, by how it is replayed.
 
 A step whose programs need a tap's Python replays a capture broken at every tap
-(`vllm_v2_tap_graphs`): with every layer a tap that is one launch per segment and every tap's
-Python. `tap_replays` runs only the taps a step needs and joins the segments between them into
-one launch (`graph_joins`). This times, on a toy forward of `--layers` layers (a few small
+(`engine.v2_tap_graphs`): with every layer a tap that is one launch per segment and every tap's
+Python. `compiled.replays` runs only the taps a step needs and joins the segments between them into
+one launch (`compiled.joins`). This times, on a toy forward of `--layers` layers (a few small
 kernels each, SmolLM2's width, 64 rows) captured the way the engine captures it:
 
 - `one graph`: the same forward as one plain CUDA graph (what vLLM's own full graph costs);
 - `every tap`: the broken capture replayed segment by segment, every tap's Python run (the
-  replay before `tap_replays`, and still the one for a step that needs every tap);
+  replay before `compiled.replays`, and still the one for a step that needs every tap);
 - `one tap`: a step that needs the middle layer's tap alone (two joined launches and one tap);
 - `no tap`: a step that needs none of them (one joined launch).
 

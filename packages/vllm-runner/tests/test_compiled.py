@@ -42,7 +42,7 @@ STEER = torch.randn(128, generator=torch.Generator().manual_seed(3))
 TRACED_PROMPTS, TRACED_TOKENS = [0, 2], [2, 6]
 PROGRAM = [ops.Save("layers.*.layer_output"), ops.Save("layers.1.mlp_neurons")]
 TAPS = ["layers.*.layer_output", "layers.1.mlp_neurons"]
-#: Full graphs broken at the taps (`vllm_v2_tap_graphs`) exist where V2 captures CUDA graphs.
+#: Full graphs broken at the taps (`engine.v2_tap_graphs`) exist where V2 captures CUDA graphs.
 TAP_BREAKS = int(torch.cuda.is_available() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0")
 # Two requests steered in one step with vectors of their own, at a tap; the third runs plain.
 OTHER_STEER = torch.randn(128, generator=torch.Generator().manual_seed(4))
@@ -270,7 +270,7 @@ def test_a_request_traced_at_taps_runs_compiled_and_equals_transformers(
     # On a GPU the decode step replays V2's full graph broken at the taps, its prompt's step
     # the piecewise graphs; the CPU captures no graph. The graph serves the layer outputs' saves,
     # so the decode step waits at one tap of three (the neurons'): its replay joins the graph
-    # segments around the other two (`tap_replays`).
+    # segments around the other two (`compiled.replays`).
     assert traced["forwards"] == {"compiled": 4, "taps": 2, "in_graph": 0, "eager": 0,
                                   "tap_breaks": TAP_BREAKS, "tap_breaks_joined": TAP_BREAKS}
     check_traced(traced, llm, reference, PROGRAM)

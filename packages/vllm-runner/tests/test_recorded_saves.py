@@ -1,4 +1,4 @@
-"""Saves kept once a step per group (`recorded_saves`): whatever the steps' schedule, the joined
+"""Saves kept once a step per group (`saves.recorded`): whatever the steps' schedule, the joined
 reads that failed at a location, the spills and the requests collected together or alone, what a
 request collects equals its rows saved one by one (`SaveStore.save`, the store's first path)."""
 

@@ -1,4 +1,4 @@
-"""`vllm-interp serve`: the `vllm serve` argv it builds (`serve_command`), `VLLM_PLUGINS`
+"""`vllm-interp serve`: the `vllm serve` argv it builds (`server.command`), `VLLM_PLUGINS`
 (`plugins_setting`) and the tensor-parallel size it reads (`_ranks`); no engine is started."""
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ class _DeviceArena(SaveArena):
 @settings(deadline=None, max_examples=200)
 @given(histories(), st.lists(st.booleans(), min_size=12, max_size=12))
 def test_rows_kept_in_an_arena_are_collected_as_if_saved_whole(history, through_arena) -> None:
-    """Graph taps' saves wait in an arena (`save_arena`), the same rows for two taps in one
+    """Graph taps' saves wait in an arena (`saves.arena`), the same rows for two taps in one
     `PendingRows`, mixed with saves the taps' Python made, spilled at any point: collected,
     they equal the same rows saved as tensors."""
     chunks, computed = history

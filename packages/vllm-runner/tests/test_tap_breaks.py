@@ -1,4 +1,4 @@
-"""Full CUDA graphs broken at the taps (`tap_breaks`, `vllm_v2_tap_graphs`), without a GPU: the
+"""Full CUDA graphs broken at the taps (`tap_breaks`, `engine.v2_tap_graphs`), without a GPU: the
 tap op ends a capture's segment and is recorded for replay; V2's graph manager captures its
 full graphs a second time, broken, through V2's own capture forwards, and replays them only on
 the steps marked. On a GPU the compiled suite runs them for real (`test_compiled`: the decode
@@ -251,7 +251,7 @@ def test_a_replay_is_broken_at_the_taps_only_on_a_step_marked_so(
         manager.run_fullgraph(FULL_4)
         mark(True)
     manager.run_fullgraph(FULL_4)  # after the block: V2's own again, whatever was marked
-    # The broken replay asks the step's runtime which taps it needs (`tap_replays`).
+    # The broken replay asks the step's runtime which taps it needs (`compiled.replays`).
     assert manager.replayed == ["v2 4", "v2 8", "broken 4 waited at ['b']", "v2 4", "v2 4"]
     assert list(manager.interp_waited_at()) == []  # after the block: no step to ask
     assert counted == [True]  # each broken replay counted (joined, as it said), nothing else

@@ -1,5 +1,5 @@
 """Replays of a capture broken at the taps that stop only at the taps a step needs
-(`tap_replays`, `TapBrokenCapture.replay_for`), without a GPU: graph segments are recorders,
+(`compiled.replays`, `TapBrokenCapture.replay_for`), without a GPU: graph segments are recorders,
 the joining of segments a recorder of what it joined. The oracle is the replay vLLM's
 breakable capture makes (every segment, every tap's Python, each tap serving only where a
 location is wanted): a step's replay must do the same work in the same order. On a GPU

@@ -334,17 +334,17 @@ class FakeGraphs:
 
 class BrokenFakeGraphs(FakeGraphs, TapBrokenGraphs):
     """The same, holding V2's full graph for `FULL` and one broken at the taps
-    (`vllm_v2_tap_graphs`), each recording its replays."""
+    (`engine.v2_tap_graphs`), each recording its replays."""
 
     def __init__(self) -> None:
         super().__init__()
         self.replayed: list[str] = []
         self.graphs = {FULL: SimpleNamespace(replay=lambda: self.replayed.append("v2"))}
-        # A broken replay asks the runtime where the step waits (`tap_replays`).
+        # A broken replay asks the runtime where the step waits (`compiled.replays`).
         self.interp_broken = {FULL: SimpleNamespace(
             replay_for=lambda waited_at: self.replayed.append(
                 "broken" if list(waited_at) == ["layers.0.layer_output"] else "broken, elsewhere")
-            is None)}  # "joined" (`tap_replays`)
+            is None)}  # "joined" (`compiled.replays`)
         self.interp_break_at_taps, self.interp_replayed = False, lambda joined: None
         self.interp_waited_at = lambda: ()
 

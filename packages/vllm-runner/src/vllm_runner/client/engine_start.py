@@ -85,8 +85,7 @@ def eager_by_default(on_cpu: bool) -> bool:
     there (several times its eager engine: docs/gpu.md); a CPU has none, and inductor's compile
     costs more than it gives back in a session (a start several times longer for a generation a
     little faster: docs/benchmarks/compiled-cpu.md). Where it is not eager, a step whose programs
-    act at
-    a location no tap serves runs the plain module tree (`LLM(taps=...)`)."""
+    act at a location no tap serves runs the plain module tree (`LLM(taps=...)`)."""
     return on_cpu
 
 

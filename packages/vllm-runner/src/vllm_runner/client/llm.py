@@ -4,7 +4,7 @@ All of vLLM's engine arguments pass through. Two are set for interpretability an
 `enforce_eager=True` on a CPU unless the caller passes `False` (`engine_start.eager_by_default`;
 on a GPU vLLM's default stands: compiled, CUDA graphs, steps without programs on vLLM's own
 path, steps whose programs act where no tap serves on the plain module tree:
-`vllm_v1_runner`, `vllm_v2_runner`), and `worker_cls` (the worker that runs programs). Prompts
+`engine.v1_runner`, `engine.v2_runner`), and `worker_cls` (the worker that runs programs). Prompts
 with a program get a `cache_salt`
 derived from it, so their KV blocks are never shared with requests running a different program,
 and never read the prefix cache themselves, so their programs see every prompt row.
@@ -427,7 +427,7 @@ class LLM:
     def _rpc(self, method: str, args: tuple[Any, ...] = (),
              timeout: float = engine_rpc.DEFAULT_TIMEOUT_S) -> list[Any]:
         """A call into the workers that fails at once on an engine known to be gone, and
-        never waits forever (`engine_rpc`); an engine that stopped answering is known gone."""
+        never waits forever (`engine.rpc`); an engine that stopped answering is known gone."""
         if self._gone is not None:
             raise EngineDied(self._gone)
         try:

@@ -10,7 +10,7 @@ runs graph, tap, graph, tap, ... with attention inside the graphs.
 
 The capture is vLLM's own (`vllm.compilation.breakable_cudagraph.BreakableCUDAGraphCapture`,
 the mechanism vLLM uses for models it cannot compile piecewise), registered where only the
-taps look for it (`captures`, by `vllm_v2_tap_graphs.TapBrokenCapture`): vLLM's own breaks
+taps look for it (`captures`, by `engine.v2_tap_graphs.TapBrokenCapture`): vLLM's own breaks
 (attention, and other ops it marks with `eager_break_during_capture`) look for captures of
 theirs and find none, so they stay inside the graph, and the forward runs exactly as in V2's
 own full-graph capture (its forward context says no graph, as V2's does: collectives and
@@ -36,7 +36,7 @@ import torch
 TapBody = Callable[[list[torch.Tensor], str], None]
 
 #: The capture broken at the taps that records this thread's stream now, as `active` (set by
-#: `vllm_v2_tap_graphs.TapBrokenCapture`): a registry apart from vLLM's, whose breaks never
+#: `engine.v2_tap_graphs.TapBrokenCapture`): a registry apart from vLLM's, whose breaks never
 #: look here.
 captures = threading.local()
 

@@ -124,7 +124,7 @@ class InGraphBuffers:
         width = self.width
         if width is None:
             return {}
-        arena = SaveArena(width, rows, self.device, self.dtype)  # shared: `save_arena`
+        arena = SaveArena(width, rows, self.device, self.dtype)  # shared: `saves.arena`
         tables = (width, rows, slots)
         return {value.location: InGraphRows(
             value, AblateRows(value, *tables, str(number), self.device, self.dtype),

@@ -1,4 +1,4 @@
-"""Captured CUDA graphs joined into one, launched with one call (`tap_replays`).
+"""Captured CUDA graphs joined into one, launched with one call (`compiled.replays`).
 
 Each graph becomes a child node of a new graph, each child after the one before (CUDA clones
 the child: the segment keeps its own graph), and the new graph is instantiated once. Its kernels

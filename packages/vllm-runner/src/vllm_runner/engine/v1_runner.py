@@ -1,7 +1,7 @@
 """The engine adapter for vLLM's V1 model runner: the only code that reads its private state.
 
 Checked against the vLLM releases in `vllm_runner.engine.compat.CHECKED_VLLM` (`GPUModelRunner`,
-which `CPUModelRunner` subclasses). `runner_attach.attach` swaps the runner's class for one
+which `CPUModelRunner` subclasses). `engine.attach.attach` swaps the runner's class for one
 with `RunnerMixin` in front: `load_model` builds the runtime, `_update_states` zeroes reused KV
 blocks, and `_model_forward` — which vLLM documents as the method subclasses may override, and
 which its profiling and dummy runs do not call — brackets every real forward with the step's
@@ -17,7 +17,7 @@ What is read, per step: the request order `input_batch.req_ids[:num_reqs]` after
 own state update; request i owns rows `query_start_loc.np[i]:[i+1]`, and its first row's
 absolute position is `positions[query_start_loc[i]]`; each request's program travels in
 `requests[id].sampling_params.extra_args`. The runtime gets plain data: a `StepLayout` and the
-decoded programs in step order. The V2 runner's adapter is `vllm_v2_runner`.
+decoded programs in step order. The V2 runner's adapter is `engine.v2_runner`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine adapter for vLLM's V2 model runner (`vllm.v1.worker.gpu.model_runner`).
 
-The second adapter beside `vllm_v1_runner`, and like it the only code that reads this runner's
+The second adapter beside `engine.v1_runner`, and like it the only code that reads this runner's
 private state. Read in vLLM 0.32 (the CPU wheel, which ships the module but cannot run it: V2
 needs Triton's GPU backend) and 0.33; see docs/vllm-runner-internals.md for what was run where.
 
@@ -21,7 +21,7 @@ Where vLLM compiles the model (`enforce_eager=False`), the step's CUDA-graph cho
 serves — and the forward context's `skip_compiled`, the switch vLLM uses for encoder inputs, is
 set as the model is called, so the plain module tree and its hooks run — and, where a tap's
 Python must run, V2's full graph replayed from a second capture broken at the taps
-(`vllm_v2_tap_graphs`; the piecewise graphs, whose pieces the taps run between, where none was
+(`engine.v2_tap_graphs`; the piecewise graphs, whose pieces the taps run between, where none was
 captured). The same rules as the V1 adapter's, at V2's own decision points, except the broken
 full graphs, which V1 does not have: its steps with a tap's Python run the piecewise graphs.
 """
@@ -154,7 +154,7 @@ def _no_graph(chosen: Any, num_tokens: int, num_reqs: int) -> Any:
 
 
 class RunnerV2Mixin:
-    """Put in front of vLLM's V2 model runner class by `runner_attach.attach`."""
+    """Put in front of vLLM's V2 model runner class by `engine.attach.attach`."""
 
     interp: Runtime
     interp_compiles: bool  # whether vLLM compiled the model (`runtime_loading.compiles`)
@@ -179,7 +179,7 @@ class RunnerV2Mixin:
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
         """V2's own (which makes its CUDA-graph manager, for profiling and again for real),
         then, where taps serve a compiled engine with full graphs, that manager also captures
-        its full graphs broken at the taps (`vllm_v2_tap_graphs`)."""
+        its full graphs broken at the taps (`engine.v2_tap_graphs`)."""
         breaks = breaks_at_taps()  # read first: a bad value stops the start before V2's work
         result = super().initialize_kv_cache(*args, **kwargs)  # type: ignore[misc]
         manager: Any = getattr(self, "cudagraph_manager", None)

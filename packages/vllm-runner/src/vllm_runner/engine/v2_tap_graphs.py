@@ -1,4 +1,4 @@
-"""V2's full CUDA graphs captured a second time, broken at the taps (`tap_breaks`), and
+"""V2's full CUDA graphs captured a second time, broken at the taps (`compiled.breaks`), and
 replayed for the steps whose programs need a tap's Python.
 
 V2's `ModelCudaGraphManager` captures every full graph in `CudaGraphManager.capture` from a
@@ -31,7 +31,7 @@ from vllm.distributed.parallel_state import graph_capture, is_global_first_rank
 from vllm.model_executor.offloader.base import get_offloader
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 
-from vllm_runner.compiled import breaks as tap_breaks
+from vllm_runner.compiled import breaks
 from vllm_runner.compiled.joins import JoinedGraph
 from vllm_runner.compiled.replays import GraphPart, Part, TapPart, TapReplays
 from vllm_runner.compiled.taps import parse_key
@@ -41,10 +41,10 @@ logger = logging.getLogger("vllm.interp")
 
 class TapBrokenCapture(BreakableCUDAGraphCapture):
     """vLLM's breakable capture, found by the taps alone: it registers itself as this thread's
-    active capture in `tap_breaks.captures`, not where vLLM's breaks (attention's) look
+    active capture in `compiled.breaks.captures`, not where vLLM's breaks (attention's) look
     (`BreakableCUDAGraphCapture.current()`), so they run inside the graph. It keeps each
     segment's graph template (`keep_graph=True`) and which locations each tap serves, so that
-    a step replays it stopping only at the taps it needs (`replay_for`, `tap_replays`)."""
+    a step replays it stopping only at the taps it needs (`replay_for`, `compiled.replays`)."""
 
     def __init__(self, pool: Any | None = None) -> None:
         super().__init__(pool=pool)
@@ -53,7 +53,7 @@ class TapBrokenCapture(BreakableCUDAGraphCapture):
 
     @classmethod
     def current(cls) -> Any:
-        return getattr(tap_breaks.captures, "active", None)
+        return getattr(breaks.captures, "active", None)
 
     def _begin_segment(self) -> None:
         """vLLM's own, with the segment's template kept (joined into others later)."""
@@ -76,7 +76,7 @@ class TapBrokenCapture(BreakableCUDAGraphCapture):
             self.parts.append(GraphPart(graph))
 
     def add_tap(self, run: Callable[[], None], key: str) -> None:
-        """A tap met during the capture (`tap_breaks.break_at_tap`): a break, as vLLM's
+        """A tap met during the capture (`compiled.breaks.break_at_tap`): a break, as vLLM's
         `add_eager` makes, kept as a part that names the locations it serves."""
         self.add_eager(run)
         self.parts.append(TapPart(run, parse_key(key)[0]))
@@ -91,7 +91,7 @@ class TapBrokenCapture(BreakableCUDAGraphCapture):
     def __enter__(self) -> TapBrokenCapture:
         if self.current() is not None:
             raise RuntimeError("a capture broken at the taps is already running on this thread")
-        tap_breaks.captures.active = self
+        breaks.captures.active = self
         self._begin_segment()
         return self
 
@@ -99,7 +99,7 @@ class TapBrokenCapture(BreakableCUDAGraphCapture):
         try:
             self._end_segment()
         finally:
-            tap_breaks.captures.active = None
+            breaks.captures.active = None
 
 
 def capture_broken(forward: Callable[[], Any], pool: Any) -> TapBrokenCapture:

@@ -1,7 +1,7 @@
 """Worker classes handed to vLLM as dotted paths (`worker_cls`), and the RPCs the client calls.
 
 The worker builds vLLM's own model runner, then puts the interpretability runner in front of it
-(`runner_attach.attach`): V1's adapter or V2's.
+(`engine.attach.attach`): V1's adapter or V2's.
 
 The CPU worker lives in `vllm_runner.engine.cpu_worker`: importing vLLM's `cpu_worker` replaces
 torch's CUDA events, streams and `pin_memory` with no-ops process-wide, so a GPU worker process
@@ -107,7 +107,7 @@ def results_reach_msgpack(vllm_config: Any) -> bool:
 
 
 class InterpGPUWorker(WorkerRPC, GPUWorker):
-    """vLLM's GPU worker with the interpretability runner (V1 or V2: `runner_attach`)."""
+    """vLLM's GPU worker with the interpretability runner (V1 or V2: `engine.attach`)."""
 
     def init_device(self) -> None:
         super().init_device()

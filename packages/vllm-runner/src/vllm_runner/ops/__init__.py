@@ -51,7 +51,7 @@ from vllm_runner.ops.per_position import (
 if TYPE_CHECKING:
     from vllm_runner.runtime.serving import Visit
 
-# `tensor_to_data`/`tensor_from_data` were defined here before `op_data`; kept importable.
+# `tensor_to_data`/`tensor_from_data` were defined here before `ops.data`; kept importable.
 __all__ = ["STEPS", "Add", "Call", "CallContext", "Lens", "Op", "Probe", "ProjectOut", "Save",
            "Scale", "Set", "Skip", "Steps", "Zero", "op_from_data", "tensor_from_data",
            "tensor_to_data"]
@@ -110,7 +110,7 @@ class Op:
         return ""
 
     def to_data(self) -> dict[str, Any]:
-        """Plain data for `SamplingParams.extra_args` (see `op_data`)."""
+        """Plain data for `SamplingParams.extra_args` (see `ops.data`)."""
         fields = {item.name: field_to_data(getattr(self, item.name))
                   for item in dataclasses.fields(self)}
         return {TAG: self.kind, **self.data_fields(fields)}

@@ -69,7 +69,7 @@ def check_tensor(op: Any, field_name: str) -> None:
                         f"{type(tensor).__name__}" + (" (complex)" if isinstance(
                             tensor, torch.Tensor) else ""))
     if tensor.is_floating_point():
-        # As it travels: float32 (`op_data.tensor_to_data`), where a float64 1e300 is infinite.
+        # As it travels: float32 (`ops.data.tensor_to_data`), where a float64 1e300 is infinite.
         bad = non_finite(tensor.detach().float(), op.location == "logits")
         if bad:
             raise ValueError(f"{op_name(op)}: {field_name} holds {bad} non-finite values (NaN "

@@ -1,6 +1,6 @@
 """The worker-side runtime: each step's plan, the hooks it needs, serving and collection.
 
-It takes plain data from the engine adapter (`vllm_v1_runner`): the step's `StepLayout` and the
+It takes plain data from the engine adapter (`engine.v1_runner`): the step's `StepLayout` and the
 programs of the scheduled requests, in step order. It imports nothing from vLLM; the jobs are in
 their own modules: `step_plan` (who wants what), `hooks` (where to look), `serving` (the ops on
 the rows), `store` (what was saved).
@@ -190,7 +190,7 @@ class Runtime:
 
     def locations_waited_at(self) -> list[str]:
         """The locations a request of this step waits at (`wants_tap` of each): where a full
-        graph broken at the taps must stop (`tap_replays`)."""
+        graph broken at the taps must stop (`compiled.replays`)."""
         return [location for location, groups in self._tokens.wants.items() if groups]
 
     def serve_tap(self, location: str, raw: Any) -> None:
@@ -322,8 +322,8 @@ class Runtime:
 
     def count_tap_break(self, joined: bool) -> None:
         """Count one forward that replayed a full CUDA graph broken at the taps (one of the
-        `taps` forwards: `vllm_v2_tap_graphs`), and whether it ran graph segments joined around
-        the taps its step did not need (`tap_replays`)."""
+        `taps` forwards: `engine.v2_tap_graphs`), and whether it ran graph segments joined around
+        the taps its step did not need (`compiled.replays`)."""
         self.forwards["tap_breaks"] += 1
         self.forwards["tap_breaks_joined"] += int(joined)
 

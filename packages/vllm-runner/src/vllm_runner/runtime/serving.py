@@ -58,7 +58,7 @@ class OpGroup(list[Want]):
     """The wants of one op of one program this step (requests running the same program), and
     what is made at the group's first visit and kept for the rest of the step (a group acting at
     every layer visits as many locations as there are layers, with the same rows): `reads`, how
-    a save reads them all, `record`, where it keeps what it read (`recorded_saves`), and
+    a save reads them all, `record`, where it keeps what it read (`saves.recorded`), and
     `selection`, their rows in the step."""
 
     __slots__ = ("kept", "prompt_lengths", "reads", "record", "selection")
@@ -303,7 +303,7 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
 def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
                    token_axis: int, store: SaveStore) -> bool:
     """One read per planned run of rows (`tokenspan.Selection.reads`), kept in the group's record
-    of the step (`recorded_saves`: each member's rows are cut out when taken)."""
+    of the step (`saves.recorded`: each member's rows are cut out when taken)."""
     step = members[0].step  # rowwise values serve every step alike
     plan = _reading_plan(members, layout)
     try:
@@ -443,7 +443,7 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
     """One lens (the final norm, the unembedding, the top-k) over the rows of every planned
     read, joined, instead of one per request (each a pass over the unembedding's weights); its
     tokens and probabilities kept in the group's record of the step, under their two names
-    (`recorded_saves`)."""
+    (`saves.recorded`)."""
     step = members[0].step
     plan = _reading_plan(members, layout)
     members_only, kept = _without_gaps(plan)

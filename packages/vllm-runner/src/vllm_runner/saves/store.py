@@ -5,8 +5,8 @@ so each chunk keeps its first absolute position; on collection the rows are put 
 order (the last write of a position wins) and trimmed to what belongs to the final output.
 Chunks, not rows: splitting every step's rows into one tensor per position cost more than the
 copies themselves when every layer is saved. A chunk's rows may also wait elsewhere until taken
-out: in the graph taps' arena (`save_arena.PendingRows`), or in the reads a group of requests
-saving together made in a step (`recorded_saves.RecordedRows`).
+out: in the graph taps' arena (`saves.arena.PendingRows`), or in the reads a group of requests
+saving together made in a step (`saves.recorded.RecordedRows`).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class SaveStore:
         """A step's record for a group of requests running `op` (one op of one program) whose
         value is read once per planned read (`reads`: each read and its pieces' owners, program
         id and first position); each owner's rows go on from its last step's where they follow
-        on (`recorded_saves`). Then `record` at each location the group visits."""
+        on (`saves.recorded`). Then `record` at each location the group visits."""
         record = StepRecord(token_axis, self._recorded)
         recording = self._recording
         key = id(op)
@@ -438,7 +438,7 @@ class SaveStore:
     def _gathered_in_groups(self, requests: list[ToCollect]) -> Iterator[list[ToCollect]]:
         """`requests` in order, in groups whose rows waiting in a GPU's `SaveArena` come out
         of it together (`gather_together`), and whose rows in step records too
-        (`recorded_saves.gather_together`), before the group is yielded; a group holds at most
+        (`saves.recorded.gather_together`), before the group is yielded; a group holds at most
         a staging buffer's worth of them (or one request), so the gathered copies add about
         that much device memory before they move. Rows in an arena on the host come out request
         by request, each into memory of its own (together, each would be copied once more)."""

@@ -11,9 +11,9 @@ the engine), runs its program in the worker like `LLM.generate`, and each choice
 carries `interp: {"saves": {location: tensor}, "error": null | str}`.
 
 Client code (`Call`) is refused over HTTP unless the operator starts the server with
-`--interp-allow-code` (`server_settings`). The other routes (named vectors, kept saves, what the
-engine serves and holds) are in `server_routes`; the request types in `server_requests`, what
-the routes share in `server_state`.
+`--interp-allow-code` (`server.settings`). The other routes (named vectors, kept saves, what the
+engine serves and holds) are in `server.routes`; the request types in `server.requests`, what
+the routes share in `server.state`.
 """
 
 from __future__ import annotations

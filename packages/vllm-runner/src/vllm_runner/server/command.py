@@ -9,7 +9,7 @@ rest compiled), on a CPU a KV cache that fits the machine (as `LLM` does), and `
 in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin.
 `--interp-taps` / `--interp-graph-taps` become the engine's taps (`LLM(taps=, graph_taps=)`) in
 vLLM's `--additional-config`; the other `--interp-*` options are the operator's settings of the
-interventions (`server_settings`). Both are taken out before vLLM parses.
+interventions (`server.settings`). Both are taken out before vLLM parses.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def embedded_defaults(options: Sequence[str]) -> list[str]:
 
 
 def run_serve(given: Sequence[str]) -> None:
-    """Replace this process with `vllm serve` as `serve_command` builds it (signals, logs and
+    """Replace this process with `vllm serve` as `server.command` builds it (signals, logs and
     the exit status are vLLM's own); without a model, the embedded one. An unchecked vLLM
     release is refused first, as `LLM` refuses it."""
     import vllm

@@ -24,7 +24,7 @@ OPTIONS: dict[str, tuple[str, bool]] = {
     "--interp-saves-ttl-s": ("VLLM_INTERP_SERVE_SAVES_TTL_S", True),
 }
 #: Options that set the engine's taps (`LLM(taps=, graph_taps=)`), in this order: they travel in
-#: vLLM's `--additional-config` (`serve_command.with_taps`), not in the environment.
+#: vLLM's `--additional-config` (`server.command.with_taps`), not in the environment.
 TAP_OPTIONS = ("--interp-taps", "--interp-graph-taps")
 #: The defaults of the options with a number: (value, smallest allowed).
 NUMBERS: dict[str, tuple[float, float]] = {
