@@ -89,7 +89,8 @@ def test_steps_planned_per_program_write_and_save_what_the_general_plan_does(
                 wants = plan_step(layout, requests, lambda op: list(op.patterns())).tokens.wants
                 for location, rows in taps.items():
                     groups = wants.get(location, [])
-                    for table, kind in ((rows.ablate, ops.ProjectOut), (rows.steer, ops.Add)):
+                    for table, kind in ((rows.ablate, ops.ProjectOut.kind),
+                                        (rows.steer, ops.Add.kind)):
                         table.fill(steered_rows(values[location], groups, store.failed,
                                                 table.vectors, kind))
                     rows.saves.take(groups, store.failed, values[location], store)

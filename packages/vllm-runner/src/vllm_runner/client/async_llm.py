@@ -23,7 +23,13 @@ from vllm_runner.client.llm import as_prompt_dict, prepare_engine
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
-from vllm_runner.ops.program import attach_program, encode_ops, program_digest, salted
+from vllm_runner.ops.program import (
+    attach_program,
+    check_ops,
+    encode_ops,
+    program_digest,
+    salted,
+)
 
 logger = logging.getLogger("vllm.interp")
 
@@ -60,9 +66,7 @@ class AsyncLLM:
 
     @default_interventions.setter
     def default_interventions(self, ops: Sequence[Op]) -> None:
-        if not all(isinstance(op, Op) for op in ops):
-            raise TypeError("default_interventions takes a list of ops (vllm_runner.ops), "
-                            f"not {[type(op).__name__ for op in ops]}")
+        check_ops(ops, "default_interventions")
         self._default_interventions = tuple(ops)
 
     def __getattr__(self, name: str) -> Any:

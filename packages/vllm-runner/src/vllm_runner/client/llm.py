@@ -38,7 +38,13 @@ from vllm_runner.errors import EngineDied, TapsRefused
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
-from vllm_runner.ops.program import attach_program, encode_ops, program_digest, salted
+from vllm_runner.ops.program import (
+    attach_program,
+    check_ops,
+    encode_ops,
+    program_digest,
+    salted,
+)
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
@@ -247,9 +253,7 @@ class LLM:
     @default_interventions.setter
     def default_interventions(self, ops: Sequence[Op]) -> None:
         program = self._programs(list(ops), 1)[0] if ops else []
-        if not all(isinstance(op, Op) for op in program):
-            raise TypeError("default_interventions takes a list of ops (vllm_runner.ops), "
-                            f"not {[type(op).__name__ for op in program]}")
+        check_ops(program, "default_interventions")
         self._check_programs([program])
         self._default_interventions = tuple(program)
 

@@ -21,7 +21,8 @@ from vllm_envoys import Value
 from vllm_runner.compiled.in_graph import InGraphRows, in_graph_ops
 from vllm_runner.compiled.tap_saves import SaveRing
 from vllm_runner.compiled.tap_steering import RowTable
-from vllm_runner.ops import Add, Op, ProjectOut, Save
+from vllm_runner.ops import Add, Op, ProjectOut
+from vllm_runner.ops.graph_ops import GraphOps
 from vllm_runner.ops.program import Program
 from vllm_runner.ops.wants import ScheduledRequest
 
@@ -100,15 +101,15 @@ class GraphSteps:
             # by the general plan's serving (`ops.wants.passed_over`).
             if self._values[location].eproperty.unavailable is not None:
                 return None
-            if not in_graph_ops(ops, self._in_graph[location].width):
+            split = GraphOps.of(ops)
+            if split is None or not in_graph_ops(ops, self._in_graph[location].width):
                 return None
-            adds = tuple(op for op in ops if isinstance(op, Add))
-            ablations = tuple(op for op in ops if isinstance(op, ProjectOut))
+            adds, ablations = split.adds, split.ablations
             if any(op.keeps(1) is not None for op in (*adds, *ablations)):
                 return None  # an edit at some positions only: the general plan's index
-            if any(isinstance(op, Save) and op.positions is not None for op in ops):
+            if any(op.positions is not None for op in split.saves):
                 return None  # the general plan keeps only the rows it names (`SaveRing.take`)
-            work[location] = GraphWork(adds, any(isinstance(op, Save) for op in ops), ablations)
+            work[location] = GraphWork(adds, bool(split.saves), ablations)
         return work
 
     def plan(self, layout: StepLayout, requests: Sequence[ScheduledRequest]

@@ -27,7 +27,8 @@ from vllm_envoys.layouts import RESIDUAL
 
 from vllm_runner.compiled.tap_saves import SaveRing
 from vllm_runner.compiled.tap_steering import AblateRows, RowTable, SteerRows
-from vllm_runner.ops import Add, Op, ProjectOut, RowOp, Save
+from vllm_runner.ops import Add, Op, ProjectOut
+from vllm_runner.ops.graph_ops import GraphOps
 from vllm_runner.saves.arena import SaveArena
 
 
@@ -56,13 +57,10 @@ def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
     ops = list(ops)
     if any(getattr(op, "tokens", None) is not None for op in ops):
         return False  # a token filter needs the step's token ids: the module tree
-    ablations = [op for op in ops if isinstance(op, ProjectOut)]
-    adds = [op for op in ops if isinstance(op, Add)]
-    saves = [op for op in ops if isinstance(op, Save)]
-    in_order = [*ablations, *adds, *saves]
-    if len(in_order) != len(ops) or any(op is not wanted
-                                        for op, wanted in zip(ops, in_order, strict=True)):
+    split = GraphOps.of(ops)
+    if split is None:
         return False  # another op, or these in another order (a `Save` before an `Add`)
+    ablations, adds = split.ablations, split.adds
     if len(ablations) > 1 or not all(tuple(op.direction.shape) == (width,) for op in ablations):
         return False  # one `[hidden]` direction a row (as the tap's Python takes it): two in
         # turn are not one projection
@@ -85,9 +83,10 @@ class InGraphRows:
         self.saves = saves
         self.width = steer.width
 
-    def edit_tables(self) -> tuple[tuple[RowTable, type[RowOp]], ...]:
-        """Each table the runtime fills before a forward, with the op whose vectors it holds."""
-        return (self.ablate, ProjectOut), (self.steer, Add)
+    def edit_tables(self) -> tuple[tuple[RowTable, str], ...]:
+        """Each table the runtime fills before a forward, with the kind of op (`Op.kind`) whose
+        vectors it holds."""
+        return (self.ablate, ProjectOut.kind), (self.steer, Add.kind)
 
     def clear(self) -> None:
         """No row gets a direction or a vector (after a step that filled them, or failed to)."""

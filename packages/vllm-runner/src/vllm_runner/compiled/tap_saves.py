@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from vllm_envoys import Value
 
-from vllm_runner.ops import Save
 from vllm_runner.ops.wants import Want, passed_over
 from vllm_runner.saves.arena import PendingRows, SaveArena
 from vllm_runner.saves.store import SaveStore
@@ -56,11 +55,10 @@ class SaveRing:
         kept: dict[str, tuple[Want, int, int]] = {}  # per program: its rows' offsets kept
         for want in (want for members in groups for want in members):
             op = want.op
-            if not isinstance(op, Save) or passed_over(want, value, failed):
+            if not op.saves_the_value or passed_over(want, value, failed):
                 continue
             span = want.span
-            runs = op.kept_runs(span.first_position, len(span), want.step.prompt_length) \
-                if op.filtered else [(0, len(span))]
+            runs = op.saved_runs(span.first_position, len(span), want.step.prompt_length)
             if not runs:  # no row this step: an empty piece, so the name comes back (the
                 # store keeps it only where the location has nothing yet)
                 store.save(want.program_id, self.location, span.first_position,

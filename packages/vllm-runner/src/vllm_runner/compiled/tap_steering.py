@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from vllm_envoys import Value
 
-from vllm_runner.ops import Add, ProjectOut, RowOp
+from vllm_runner.ops import Add, Op, ProjectOut
 from vllm_runner.ops.wants import Want, passed_over
 
 
@@ -241,15 +241,15 @@ class AblateRows(RowTable):
 
 def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
                  failed: Callable[[str], bool], vectors: VectorCache,
-                 kind: type[RowOp] = Add) -> list[SteeredRows]:
+                 kind: str = Add.kind) -> list[SteeredRows]:
     """Each waiting request's rows and vector at `value` this step from its ops of `kind`
-    there: its `Add`s summed (`scale * vector`, in float32, once per program: `vectors`), or
-    its `ProjectOut`'s unit direction; skipping requests whose program failed and steps the
-    value is not served at (as the taps' Python would)."""
-    found: dict[str, tuple[Want, list[RowOp]]] = {}
+    (`Op.kind`) there: its `Add`s summed (`scale * vector`, in float32, once per program:
+    `vectors`), or its `ProjectOut`'s unit direction; skipping requests whose program failed
+    and steps the value is not served at (as the taps' Python would)."""
+    found: dict[str, tuple[Want, list[Op]]] = {}
     for want in (want for members in groups for want in members):
         op = want.op
-        if not isinstance(op, kind) or passed_over(want, value, failed):
+        if op.kind != kind or passed_over(want, value, failed):
             continue
         earlier = found.get(want.request_id)
         if earlier is None:

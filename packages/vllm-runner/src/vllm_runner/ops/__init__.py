@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Integral
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from tokenspan import READ_MODES, ReadMode, Selection, Span, lend
@@ -47,6 +47,7 @@ from vllm_runner.ops.per_position import (
     rows_axis,
     uncovered,
 )
+from vllm_runner.ops.value_shape import ValueShape, broadcast_misfit
 
 if TYPE_CHECKING:
     from vllm_runner.runtime.serving import Visit
@@ -57,6 +58,21 @@ __all__ = ["STEPS", "Add", "Call", "CallContext", "Lens", "Op", "Probe", "Projec
            "tensor_to_data"]
 
 KeepPosition = Callable[[int], bool]
+
+
+class GroupServer(Protocol):
+    """How the worker serves many requests running one op with one read (and one write) per run
+    of their rows (`runtime.serving.serve_together`): a method per kind of op that can be, each
+    returning whether it served them (`False`: they are served one by one). An op picks its
+    method (`Op.serve_group`)."""
+
+    def save(self, op: Save) -> bool: ...
+
+    def lens(self, op: Lens) -> bool: ...
+
+    def edit(self, op: EditOp) -> bool: ...
+
+    def call(self, op: Call) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,15 @@ class Op:
     #: Whether requests running this very op can be served with one read (and one write) per
     #: run of their rows instead of one per request (`serving.serve_together`).
     together: ClassVar[bool] = False
+    #: Whether the op saves the value itself (its rows as read: `Save`), whose bytes the server
+    #: bounds before the request runs (`saved_rows`).
+    saves_the_value: ClassVar[bool] = False
+    #: The field of the tensor the op brings (an edit's vector, a probe's weight), checked
+    #: against the value's shape before the request runs (`tensor_misfit`), or `None`.
+    TENSOR: ClassVar[str | None] = None
+    #: Whether the worker adds the op itself (never sent by a client: the edited attention a
+    #: pattern edit writes, `runtime.pattern_edits`); the checks of a request's own ops skip it.
+    added_by_the_worker: ClassVar[bool] = False
 
     location: str
 
@@ -104,6 +129,40 @@ class Op:
     def serve(self, visit: Visit) -> None:
         """Run the op on one request's rows at one hook visit."""
         raise NotImplementedError(type(self).__name__)
+
+    def serve_group(self, server: GroupServer) -> bool:
+        """Serve the requests running this op together through `server`'s method for its kind;
+        `False` (the default: one by one) where it has none."""
+        return False
+
+    def position_misfit(self, prompt_length: int, location: str, layout: tuple[str, ...],
+                        token_axis: int | None) -> str | None:
+        """Why the op's per-position tensor can never serve its `positions=` on a prompt of
+        `prompt_length` tokens at `location`, a value of axes `layout`, or `None` (an op
+        without one: always)."""
+        return None
+
+    def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
+                      ) -> str | None:
+        """Why the op's tensor (`TENSOR`), of shape `given`, could never fit `value` at
+        `location` at any token count, or `None`. By default it broadcasts over the value; a
+        pattern's sizes depend on the step (the worker checks them)."""
+        if value.token_axis is None:
+            return None
+        return broadcast_misfit(given, location, value)
+
+    def saved_rows(self, location: str, value: ValueShape, prompt_length: int,
+                   max_tokens: int) -> int:
+        """The most rows of `value` (at `location`) the op saves for a prompt of
+        `prompt_length` tokens generating up to `max_tokens` (`saves_the_value`); none by
+        default."""
+        return 0
+
+    def saved_runs(self, first_position: int, count: int, prompt_length: int
+                   ) -> list[tuple[int, int]]:
+        """The runs `(offset, rows)` of a request's `count` rows from `first_position` whose
+        value the op saves as read (`saves_the_value`); none by default."""
+        return []
 
     def failure_detail(self, error: BaseException) -> str:
         """More to say in a request's error when `serve` raised `error` (e.g. user frames)."""
@@ -278,10 +337,45 @@ class Save(RowOp):
     kind = "save"
     edits = False
     together = True
+    saves_the_value = True
 
     def saved_names(self, location: str) -> tuple[str, ...]:
         """The value itself, under its canonical location."""
         return (location,)
+
+    def serve_group(self, server: GroupServer) -> bool:
+        """Served together as a save."""
+        return server.save(self)
+
+    def saved_rows(self, location: str, value: ValueShape, prompt_length: int,
+                   max_tokens: int) -> int:
+        """Exactly what it keeps when the request generates all `max_tokens`: a row at every
+        position the request runs through (the prompt and each generated token but the last),
+        `logits` one at each sampled row, a pattern one per position against every key up to
+        the last; `positions` and `steps` narrow that."""
+        run_through = prompt_length + max(max_tokens - 1, 0)
+        if value.token_axis is None:  # a pattern: a row per position, a column per key
+            queries = {"all": run_through, "prefill": prompt_length,
+                       "decode": run_through - prompt_length}[self.steps]
+            if self.positions is not None:
+                queries = min(queries, len(set(self.positions)))
+            widest = prompt_length if self.steps == "prefill" else run_through
+            return queries * widest
+        if location == "logits":  # one row per sampled token, the first at prefill
+            rows = {"all": max_tokens, "prefill": min(max_tokens, 1),
+                    "decode": max(max_tokens - 1, 0)}[self.steps]
+        else:
+            rows = {"all": run_through, "prefill": prompt_length,
+                    "decode": run_through - prompt_length}[self.steps]
+        if self.positions is not None:
+            rows = min(rows, len(set(self.positions)))
+        return rows
+
+    def saved_runs(self, first_position: int, count: int, prompt_length: int
+                   ) -> list[tuple[int, int]]:
+        """Every row, or the runs its filters keep (`RowOp.kept_runs`)."""
+        return self.kept_runs(first_position, count, prompt_length) if self.filtered \
+            else [(0, count)]
 
     def serve(self, visit: Visit) -> None:
         """Keep the request's rows (on rank 0 only: the client collects from there)."""
@@ -332,6 +426,10 @@ class Lens(RowOp):
         """The top-k tokens and their probabilities."""
         return tuple(f"{location}.{suffix}" for suffix in self.RESULTS)
 
+    def serve_group(self, server: GroupServer) -> bool:
+        """Served together as a lens."""
+        return server.lens(self)
+
     def serve(self, visit: Visit) -> None:
         """Top-k next-token probabilities of the rows, through the model's own final norm and
         logits (every rank computes them: under tensor parallelism the logits are gathered)."""
@@ -356,6 +454,7 @@ class Probe(RowOp):
 
     kind = "probe"
     edits = False
+    TENSOR = "weight"
 
     weight: torch.Tensor = field(repr=False)
     bias: torch.Tensor | None = field(default=None, repr=False)
@@ -378,6 +477,20 @@ class Probe(RowOp):
     def saved_names(self, location: str) -> tuple[str, ...]:
         """The scores, under `f"{location}.{name}"`."""
         return (f"{location}.{self.name}",)
+
+    def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
+                      ) -> str | None:
+        """A score of each token's row: a `[width]` or `[k, width]` weight over a value
+        `[1 tokens width]` only."""
+        token_axis = value.token_axis
+        if token_axis is None:
+            return None
+        if token_axis == 1 and len(value.shape) == 3 and given[-1:] == value.shape[-1:]:
+            return None
+        return (f"has shape {list(given)}; a probe's weight for {location} {value.describe()} "
+                f"is [width] or [k, width] over a value [1 tokens width]"
+                + (f": give [{value.shape[-1]}] or [k, {value.shape[-1]}]"
+                   if token_axis == 1 and len(value.shape) == 3 else ""))
 
     def scores(self, rows: torch.Tensor) -> torch.Tensor:
         """The probe's scores of `rows` (`[1, tokens, width]`), in float32."""
@@ -429,6 +542,10 @@ class EditOp(RowOp):
         keep are written back as read (`kept_rows`); with `tokens`, request by request."""
         return self.tokens is None
 
+    def serve_group(self, server: GroupServer) -> bool:
+        """Served together as an edit."""
+        return server.edit(self)
+
     def edited(self, current: torch.Tensor, layout: tuple[str, ...],
                operand: torch.Tensor | None = None) -> torch.Tensor:
         """The value after the edit, on every row; `layout` names the value's axes, `operand`
@@ -451,7 +568,7 @@ class EditOp(RowOp):
         `None`:
         known before the request runs."""
         operand = self.operand
-        if operand is None or token_axis is None:
+        if operand is None or token_axis is None or self.positions is None:
             return None
         first = first_row_position(location, prompt_length)
         missing = uncovered(operand, len(layout), token_axis, self.positions, prompt_length, first)
@@ -564,6 +681,7 @@ class Add(EditOp):
 
     kind = "add"
     OPERAND = "vector"
+    TENSOR = "vector"
 
     vector: torch.Tensor = field(repr=False)
     scale: float = 1.0
@@ -602,6 +720,7 @@ class Set(EditOp):
 
     kind = "set"
     OPERAND = "value"
+    TENSOR = "value"
 
     value: torch.Tensor = field(repr=False)
 
@@ -672,6 +791,7 @@ class ProjectOut(EditOp):
     this request's rows: `x - (x·d̂) d̂`, e.g. directional ablation."""
 
     kind = "project_out"
+    TENSOR = "direction"
 
     direction: torch.Tensor = field(repr=False)
 
@@ -681,6 +801,14 @@ class ProjectOut(EditOp):
         if not bool(self.direction.detach().abs().sum() > 0):
             raise ValueError(f"{op_name(self)}: direction is a zero vector; there is no "
                              "component to remove")
+
+    def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
+                      ) -> str | None:
+        """A dot product along the value's last axis: one vector as long as it."""
+        if value.token_axis is None or given == value.shape[-1:]:
+            return None
+        return (f"has shape {list(given)}; a direction for {location} {value.describe()} is one "
+                f"vector along its last axis: give [{value.shape[-1]}]")
 
     def edited(self, current: torch.Tensor, layout: tuple[str, ...],
                operand: torch.Tensor | None = None) -> torch.Tensor:
@@ -823,6 +951,10 @@ class Call(Op):
         """Whether the requests running this call are served with one call a step
         (`rowwise=True`, and no results to keep: those are kept request by request)."""
         return self.rowwise and self.saves is None
+
+    def serve_group(self, server: GroupServer) -> bool:
+        """Served together as a call."""
+        return server.call(self)
 
     def saved_names(self, location: str) -> tuple[str, ...]:
         """The result's name, where the function returns one tensor (a dict's keys are known

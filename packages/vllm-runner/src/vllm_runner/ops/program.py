@@ -29,6 +29,13 @@ def new_program_id() -> str:
     return uuid.uuid4().hex
 
 
+def check_ops(ops: Sequence[Any], what: str) -> None:
+    """Refuse a program holding anything but ops, naming the argument (`what`) that took it."""
+    if not all(isinstance(op, Op) for op in ops):
+        raise TypeError(f"{what} takes a list of ops (vllm_runner.ops), "
+                        f"not {[type(op).__name__ for op in ops]}")
+
+
 def encode_ops(ops: Sequence[Op]) -> list[dict[str, Any]]:
     """`ops` as plain data (tensors as bytes, `Call` functions cloudpickled)."""
     return [op.to_data() for op in ops]

@@ -19,7 +19,7 @@ refused before the request runs (`edit_refusal`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern, probabilities_from
 
 from vllm_runner.errors import LocationError
-from vllm_runner.ops import Op, Skip
+from vllm_runner.ops import Op
 
 if TYPE_CHECKING:
     from vllm_runner.runtime.serving import Visit
@@ -189,6 +189,7 @@ class PatternOutput(Op):
     the edited attention."""
 
     kind = "edited_pattern"
+    added_by_the_worker = True
 
     layer: str
     #: Whether an edit of the layer's pattern may act past the prompt
@@ -215,7 +216,7 @@ def with_pattern_outputs(ops: tuple[Op, ...], locations_of: Callable[[Op], list[
     added: dict[str, bool] = {}  # head outputs location -> acts past the prompt
     layers: dict[str, str] = {}
     for op in ops:
-        if not op.edits or isinstance(op, Skip):
+        if not op.edits:
             continue
         try:
             locations = locations_of(op)
@@ -231,8 +232,3 @@ def with_pattern_outputs(ops: tuple[Op, ...], locations_of: Callable[[Op], list[
         return ops
     return (*(PatternOutput(target, layers[target], past) for target, past in added.items()),
             *ops)
-
-
-def edits_patterns(ops: Sequence[Op]) -> bool:
-    """Whether a program holds the worker's pattern outputs (it edits a pattern)."""
-    return any(isinstance(op, PatternOutput) for op in ops)

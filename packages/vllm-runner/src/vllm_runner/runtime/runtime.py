@@ -25,13 +25,13 @@ from vllm_runner.compiled.repeated_saves import RepeatedSaves
 from vllm_runner.compiled.tap_steering import steered_rows
 from vllm_runner.compiled.taps import install_taps, serve_taps
 from vllm_runner.errors import LocationError
-from vllm_runner.ops import EditOp, Op
+from vllm_runner.ops import Op
 from vllm_runner.ops.locations import PER_SAMPLED_ROW, resolve, unservable
 from vllm_runner.ops.program import Program, ProgramCache, ProgramData
 from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime.hooks import EMBEDDINGS, SAMPLER_HOOK, TOKEN_IDS, Hooks, TokenIdsHook
 from vllm_runner.runtime.lens import ModelLens
-from vllm_runner.runtime.pattern_edits import PatternOutput, edit_refusal, with_pattern_outputs
+from vllm_runner.runtime.pattern_edits import edit_refusal, with_pattern_outputs
 from vllm_runner.runtime.serving import OpGroup, Services, Visits, serve, token_axis_of
 from vllm_runner.runtime.sharded import ShardedValues
 from vllm_runner.runtime.step_plan import NO_VISITS, plan_step
@@ -276,7 +276,7 @@ class Runtime:
         none, ...; a client refuses those before sending, checked here for every client), or an
         edit's per-position tensor without a row for a position its `positions=` names
         (`EditOp.position_misfit`)."""
-        ops = [op for op in program.ops if not isinstance(op, PatternOutput)]
+        ops = [op for op in program.ops if not op.added_by_the_worker]
         try:
             acting_at = [self.locations_of(op) for op in ops]
         except LocationError:
@@ -286,8 +286,6 @@ class Runtime:
         if (found := unservable(ops, acting_at, refusals)) is not None:
             return found[1]
         for op, locations in zip(ops, acting_at, strict=True):
-            if not isinstance(op, EditOp) or op.operand is None or op.positions is None:
-                continue
             for location in locations:
                 value = self.values[location]
                 problem = op.position_misfit(prompt_length, location, value.eproperty.layout,

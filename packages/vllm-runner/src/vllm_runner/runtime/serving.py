@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -272,32 +272,62 @@ def serve_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     functions run request by request between one read and one write (`_call_each`)."""
     op = members[0].op
     codec = value.eproperty.codec
-    store = services.store
     if token_axis is None or codec is None or not codec.rowwise \
             or getattr(op, "tokens", None) is not None:  # token filters: one by one
         return False
-    if isinstance(op, Call) and op.saves is not None:
-        return False  # its results are kept request by request (`Call.keep_results`)
-    if isinstance(op, Call) and not op.rowwise:
-        return _call_each(op, value, raw, members, layout, token_axis, services)
-    if isinstance(op, Save) and op.filtered:
-        return not services.keeps_saves or _save_kept_together(
-            op, value, raw, members, layout, token_axis, services)
-    if isinstance(op, Lens) and op.filtered:  # every rank projects: the logits are gathered
-        return _lens_kept_together(op, value, raw, members, layout, token_axis, services)
-    if (not op.shares_rows()
-            or (store.may_have_failed
-                and any(map(failed_check(op, store), (want.program_id for want in members))))
-            or not _served_at_every_step(value, members)):
-        return False
-    if isinstance(op, EditOp):
-        return _edit_together(op, value, raw, members, layout, token_axis, store)
-    if isinstance(op, Call):
-        return _call_together(op, value, raw, members, layout, token_axis, services)
-    if isinstance(op, Lens):  # every rank computes it: the logits are gathered
-        return _lens_together(op, value, raw, members, layout, token_axis, services)
-    return not services.keeps_saves or _save_together(value, raw, members, layout, token_axis,
-                                                      store)
+    return op.serve_group(_Together(value, raw, members, layout, token_axis, services))
+
+
+@dataclass(frozen=True)
+class _Together:
+    """One group's visit as each kind of op serves it together (`ops.GroupServer`)."""
+
+    value: Value
+    raw: Any
+    members: OpGroup
+    layout: StepLayout
+    token_axis: int
+    services: Services
+
+    def _every_row_alike(self, op: Op) -> bool:
+        """Whether every member's rows are served alike: the op treats each row the same
+        (`Op.shares_rows`), no member's program has failed, and every member is served at this
+        step."""
+        store = self.services.store
+        return (op.shares_rows()
+                and not (store.may_have_failed and any(map(
+                    failed_check(op, store), (want.program_id for want in self.members))))
+                and _served_at_every_step(self.value, self.members))
+
+    def save(self, op: Save) -> bool:
+        services = self.services
+        if op.filtered:
+            return not services.keeps_saves or _save_kept_together(
+                op, self.value, self.raw, self.members, self.layout, self.token_axis, services)
+        return self._every_row_alike(op) and (not services.keeps_saves or _save_together(
+            self.value, self.raw, self.members, self.layout, self.token_axis, services.store))
+
+    def lens(self, op: Lens) -> bool:
+        # Every rank projects, filtered or not: the logits are gathered.
+        if op.filtered:
+            return _lens_kept_together(op, self.value, self.raw, self.members, self.layout,
+                                       self.token_axis, self.services)
+        return self._every_row_alike(op) and _lens_together(
+            op, self.value, self.raw, self.members, self.layout, self.token_axis, self.services)
+
+    def edit(self, op: EditOp) -> bool:
+        return self._every_row_alike(op) and _edit_together(
+            op, self.value, self.raw, self.members, self.layout, self.token_axis,
+            self.services.store)
+
+    def call(self, op: Call) -> bool:
+        if op.saves is not None:
+            return False  # its results are kept request by request (`Call.keep_results`)
+        if not op.rowwise:
+            return _call_each(op, self.value, self.raw, self.members, self.layout,
+                              self.token_axis, self.services)
+        return self._every_row_alike(op) and _call_together(
+            op, self.value, self.raw, self.members, self.layout, self.token_axis, self.services)
 
 
 def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
@@ -665,8 +695,7 @@ def _call_each(op: Call, value: Value, raw: Any, members: OpGroup, layout: StepL
         return False
     edits: list[tuple[Want, torch.Tensor, str]] = []
     for want, copy in zip(live, copies, strict=True):
-        mine = want.op  # the request's own function (unpickled per request)
-        assert isinstance(mine, Call)
+        mine = cast(Call, want.op)  # the request's own function (unpickled per request)
         try:
             lent = lend(copy, "copy" if mode == "copy" else "lease", owned=True)
             length = want.step.prompt_length

@@ -35,7 +35,6 @@ from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner.engine.compat import check_version
 from vllm_runner.errors import LocationError
-from vllm_runner.ops import Save
 from vllm_runner.ops.program import salted
 from vllm_runner.server import routes as server_routes
 from vllm_runner.server.json_ops import InterventionInputError
@@ -101,7 +100,7 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
         try:
             plan = await state.plan(interventions)
             plan.saves = request.interp_saves
-            if any(isinstance(op, Save) for op in plan.ops):
+            if any(op.saves_the_value for op in plan.ops):
                 lengths = await prompt_lengths(request)
                 if lengths is not None:
                     state.check_saved_bytes(plan, lengths, _max_tokens(request))
