@@ -12,8 +12,8 @@ engine, and the collection of their saves at the end:
     python benchmarks/step_host_work.py [--requests 64] [--steps 128]
 
 It prints microseconds per step for each arm (the fastest of `--repeats`, and the median), and
-per request for the collection. Last results: docs/cuda-graphs-design.md (section on what a
-tap's Python costs).
+per request for the collection. Last results: docs/cuda-graphs-design.md ("What it costs
+now").
 """
 
 from __future__ import annotations
@@ -91,8 +91,7 @@ def main() -> None:
                                     num_tokens_after_padding=count)
             layout, scheduled = scheduled_step(runtime, programs, batch, repeated)
             travelling = [kept[0] for kept in programs.values()]
-            runtime.needs_module_tree_for(travelling)
-            runtime.needs_tap_python_for(travelling)
+            runtime.graph_need(travelling)
             runtime.begin_step(layout, scheduled)
             runtime.end_step()
         per_step = (time.perf_counter() - started) / arguments.steps

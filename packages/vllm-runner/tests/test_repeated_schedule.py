@@ -21,7 +21,7 @@ class Runtime:
     def __init__(self, editing: bool = False) -> None:
         self.editing = editing
         self.looked_up: list[str] = []
-        self.store = SimpleNamespace(any_failed=False)
+        self.any_failed = False
         self.edits_noted = 0
 
     def program(self, data, prompt_length):
@@ -85,9 +85,9 @@ def test_a_failure_anywhere_makes_the_list_stale() -> None:
     runtime, repeated = Runtime(), RepeatedSchedule()
     programs = {"a": kept("pa")}
     scheduled_step(runtime, programs, decode_step(["a"]), repeated)
-    runtime.store.any_failed = True
+    runtime.any_failed = True
     scheduled_step(runtime, programs, decode_step(["a"]), repeated)
-    runtime.store.any_failed = False
+    runtime.any_failed = False
     scheduled_step(runtime, programs, decode_step(["a"]), repeated)
     assert runtime.looked_up == ["pa", "pa"]
 

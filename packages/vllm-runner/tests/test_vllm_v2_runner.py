@@ -23,6 +23,7 @@ from vllm_runner.engine.v2_runner import RunnerV2Mixin, StepGraph, scheduled_ste
 from vllm_runner.engine.v2_tap_graphs import TapBrokenGraphs
 from vllm_runner.ops import op_from_data
 from vllm_runner.ops.program import EXTRA_ARGS_KEY, Program
+from vllm_runner.runtime.door import GraphNeed
 from vllm_runner.runtime.step_plan import NO_ROWS
 
 OVERRIDDEN = ("load_model", "initialize_kv_cache", "add_requests", "finish_requests",
@@ -41,13 +42,11 @@ class FakeRuntime:
         self.ended = 0
         self.forwards = {"compiled": 0, "taps": 0, "in_graph": 0, "eager": 0, "tap_breaks": 0,
                          "tap_breaks_joined": 0}
-        self.store = SimpleNamespace(any_failed=False)
+        self.any_failed = False
 
     def note_edits(self) -> None:
         pass
 
-    def count_forward(self, compiled: bool, programs: bool) -> None:
-        self.forwards["eager" if not compiled else "taps" if programs else "compiled"] += 1
 
     def count_tap_break(self, joined: bool) -> None:
         self.forwards["tap_breaks"] += 1
@@ -68,17 +67,18 @@ class FakeRuntime:
     def edits(self, data) -> bool:
         return self.editing
 
-    def begin_step(self, layout, requests) -> None:
+    def begin_step(self, layout, requests, compiled_forward=None) -> None:
         self.steps.append((layout, requests))
+        if compiled_forward is not None:
+            self.forwards["eager" if not compiled_forward else "taps" if requests
+                          else "compiled"] += 1
 
     def end_step(self) -> None:
         self.ended += 1
 
-    def needs_module_tree_for(self, programs) -> bool:
-        return self.module_tree
-
-    def needs_tap_python_for(self, programs) -> bool:
-        return self.tap_python
+    def graph_need(self, programs) -> GraphNeed:
+        return (GraphNeed.MODULE_TREE if self.module_tree else
+                GraphNeed.PIECES if self.tap_python else GraphNeed.ANY)
 
 
 def batch(req_ids, counts, firsts, padded=None):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from vllm_runner.ops.wants import ScheduledRequest
 
 if TYPE_CHECKING:
-    from vllm_runner.runtime.runtime import Runtime
+    from vllm_runner.runtime.door import StepDoor
 
 
 class RepeatedSchedule:
@@ -32,14 +32,14 @@ class RepeatedSchedule:
         self._scheduled: list[ScheduledRequest] = []
         self._edits = False
 
-    def requests(self, runtime: Runtime, request_ids: Sequence[str], kept: list[object],
+    def requests(self, runtime: StepDoor, request_ids: Sequence[str], kept: list[object],
                  find: Callable[[], list[ScheduledRequest]]) -> list[ScheduledRequest]:
         """This step's requests with programs: the last step's list if this step schedules the
         same `request_ids` (in order), each with the same `kept` object, and no program has
         failed; else what `find` makes request by request, remembered for the next step. A
-        reused list whose programs edit marks the step as editing, as `Runtime.program` would
+        reused list whose programs edit marks the step as editing, as `StepDoor.program` would
         have."""
-        if (not runtime.store.any_failed and [id(item) for item in kept] == self._kept_ids
+        if (not runtime.any_failed and [id(item) for item in kept] == self._kept_ids
                 and list(request_ids) == self._request_ids):
             if self._edits:
                 runtime.note_edits()

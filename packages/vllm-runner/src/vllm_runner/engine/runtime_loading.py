@@ -7,6 +7,7 @@ from typing import Any
 
 from vllm_runner.compiled.taps import TAP_OP
 from vllm_runner.engine.kv_blocks import WrittenBlocks
+from vllm_runner.runtime.door import EngineDoor
 from vllm_runner.runtime.runtime import Runtime
 from vllm_runner.settings import GRAPH_TAPS_KEY, TAPS_KEY, device_saves_limit, read_mode
 
@@ -19,10 +20,12 @@ def load_runtime(runner: Any) -> None:
     own process (see `vllm_runner.client.llm.LLM`)."""
     model = runner.get_model()
     fragments, rank = _tensor_parallel(model)
-    runner.interp = Runtime(model, runner.model_config.hf_config, fragments, rank,
-                            reads=read_mode(), device_saves_limit=device_saves_limit())
-    runner.interp.compiled = runner.interp_compiles = compiles(runner.vllm_config)
-    install_taps(runner.interp, runner.vllm_config)
+    runtime = Runtime(model, runner.model_config.hf_config, fragments, rank, reads=read_mode(),
+                      device_saves_limit=device_saves_limit())
+    runtime.compiled = runner.interp_compiles = compiles(runner.vllm_config)
+    install_taps(runtime, runner.vllm_config)
+    door: EngineDoor = runtime  # what the adapters and the worker's RPCs may use of it
+    runner.interp = door
     runner.interp_written = WrittenBlocks()
     runner.interp_editing = set()  # requests whose programs edit (their blocks are marked)
 

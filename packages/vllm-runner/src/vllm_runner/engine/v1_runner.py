@@ -39,7 +39,7 @@ from vllm_runner.engine.runtime_loading import load_runtime
 from vllm_runner.engine.swapped import swapped
 from vllm_runner.ops.program import ProgramData, program_data
 from vllm_runner.ops.wants import ScheduledRequest
-from vllm_runner.runtime.runtime import Runtime
+from vllm_runner.runtime.door import EngineDoor, GraphNeed, StepDoor
 from vllm_runner.runtime.step_plan import NO_ROWS, acting
 
 #: The vLLM module this adapter reads: vLLM 0.34 removed it, and `engine.attach` imports this
@@ -52,7 +52,7 @@ def _extra_args(state: Any) -> dict[str, Any] | None:
     return params.extra_args if params is not None else None
 
 
-def scheduled_step(runtime: Runtime, runner: Any, positions: torch.Tensor,
+def scheduled_step(runtime: StepDoor, runner: Any, positions: torch.Tensor,
                    repeated: RepeatedSchedule | None = None
                    ) -> tuple[StepLayout, list[ScheduledRequest]]:
     """This step's layout and its requests that run a program, in step order (the last step's
@@ -87,7 +87,7 @@ def scheduled_step(runtime: Runtime, runner: Any, positions: torch.Tensor,
     return (layout, scheduled) if scheduled else (NO_ROWS, scheduled)
 
 
-def programs_of(runner: Any, runtime: Runtime, count: int) -> list[ProgramData]:
+def programs_of(runner: Any, runtime: StepDoor, count: int) -> list[ProgramData]:
     """The programs, as they travel, of the step's first `count` requests that carry one and
     may act at this step (`Runtime.acts_at`: each request's rows start at its computed
     tokens)."""
@@ -105,7 +105,7 @@ def programs_of(runner: Any, runtime: Runtime, count: int) -> list[ProgramData]:
 class RunnerMixin:
     """Put in front of vLLM's V1 model runner class by `attach`."""
 
-    interp: Runtime
+    interp: EngineDoor
     interp_compiles: bool  # whether vLLM compiled the model (`runtime_loading.compiles`)
     interp_written: WrittenBlocks
     interp_editing: set[str]
@@ -164,11 +164,12 @@ class RunnerMixin:
         if not self.interp.compiled or not (programs := programs_of(self, self.interp, count)):
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
-        if self.interp.needs_module_tree_for(programs):
+        need = self.interp.graph_need(programs)
+        if need is GraphNeed.MODULE_TREE:
             kwargs["force_eager"] = True
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
-        if not self.interp.needs_tap_python_for(programs):  # all in the graph (`tap_steering`)
+        if need is GraphNeed.ANY:  # all in the graph (`tap_steering`)
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
         with pieces_only(self):
@@ -183,10 +184,9 @@ class RunnerMixin:
         if scheduled and self.interp.compiled and self.interp.needs_module_tree(
                 [request.program for request in scheduled]):
             context.skip_compiled = True
-        self.interp.begin_step(layout, scheduled)
         # Counted by what runs, not by what was asked for: a test breaks the switch on purpose.
-        self.interp.count_forward(compiled=self.interp_compiles and not context.skip_compiled,
-                                  programs=bool(scheduled))
+        self.interp.begin_step(layout, scheduled, compiled_forward=self.interp_compiles
+                               and not context.skip_compiled)
         try:
             return super()._model_forward(  # type: ignore[misc]
                 input_ids=input_ids, positions=positions,

@@ -44,7 +44,7 @@ from vllm_runner.engine.swapped import swapped
 from vllm_runner.engine.v2_tap_graphs import break_at_taps, has_broken, tap_breaks_for
 from vllm_runner.ops.program import ProgramData, program_data
 from vllm_runner.ops.wants import ScheduledRequest
-from vllm_runner.runtime.runtime import Runtime
+from vllm_runner.runtime.door import EngineDoor, GraphNeed, StepDoor
 from vllm_runner.runtime.step_plan import NO_ROWS, acting
 from vllm_runner.settings import breaks_at_taps
 
@@ -52,7 +52,7 @@ from vllm_runner.settings import breaks_at_taps
 Kept = tuple[ProgramData, int]
 
 
-def scheduled_step(runtime: Runtime, programs: Mapping[str, Kept], batch: Any,
+def scheduled_step(runtime: StepDoor, programs: Mapping[str, Kept], batch: Any,
                    repeated: RepeatedSchedule | None = None
                    ) -> tuple[StepLayout, list[ScheduledRequest]]:
     """This step's layout from V2's `InputBatch` (plain host attributes only) and its requests
@@ -94,7 +94,7 @@ class StepGraph:
     tap_breaks: bool = False
 
 
-def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_tokens: int,
+def step_graph(runtime: StepDoor, programs: list[ProgramData], chosen: Any, num_tokens: int,
                num_reqs: int, redispatch: Any, broken: Any = lambda descriptor: False
                ) -> StepGraph:
     """What a compiled step with `programs` runs, from V2's own choice `chosen`: V2's choice
@@ -106,10 +106,11 @@ def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_t
     full graph replays the taps' kernels without their Python)."""
     if not programs:
         return StepGraph(chosen)
-    if runtime.needs_module_tree_for(programs):  # also where V2 picked no graph: still compiled
+    need = runtime.graph_need(programs)
+    if need is GraphNeed.MODULE_TREE:  # also where V2 picked no graph: still compiled
         return StepGraph(chosen if chosen.cg_mode == CUDAGraphMode.NONE
                          else _no_graph(chosen, num_tokens, num_reqs), module_tree=True)
-    if chosen.cg_mode != CUDAGraphMode.FULL or not runtime.needs_tap_python_for(programs):
+    if chosen.cg_mode != CUDAGraphMode.FULL or need is GraphNeed.ANY:
         return StepGraph(chosen)
     if broken(chosen):
         return StepGraph(chosen, tap_breaks=True)
@@ -118,7 +119,7 @@ def step_graph(runtime: Runtime, programs: list[ProgramData], chosen: Any, num_t
                      else _no_graph(chosen, num_tokens, num_reqs))
 
 
-def acting_programs(runtime: Runtime, programs: Mapping[str, Kept], scheduler_output: Any
+def acting_programs(runtime: StepDoor, programs: Mapping[str, Kept], scheduler_output: Any
                     ) -> list[ProgramData]:
     """The programs of the step's scheduled requests that may act at this step
     (`Runtime.acts_at`), each request's rows starting at the computed tokens the scheduler
@@ -156,7 +157,7 @@ def _no_graph(chosen: Any, num_tokens: int, num_reqs: int) -> Any:
 class RunnerV2Mixin:
     """Put in front of vLLM's V2 model runner class by `engine.attach.attach`."""
 
-    interp: Runtime
+    interp: EngineDoor
     interp_compiles: bool  # whether vLLM compiled the model (`runtime_loading.compiles`)
     interp_written: WrittenBlocks
     interp_editing: set[str]
@@ -256,9 +257,8 @@ class RunnerV2Mixin:
         batch = super().prepare_inputs(*args, **kwargs)  # type: ignore[misc]
         layout, scheduled = scheduled_step(self.interp, self.interp_programs, batch,
                                            self.interp_repeated)
-        self.interp.begin_step(layout, scheduled)
-        self.interp.count_forward(compiled=self.interp_compiles and not self.interp_module_tree,
-                                  programs=bool(scheduled))
+        self.interp.begin_step(layout, scheduled, compiled_forward=self.interp_compiles
+                               and not self.interp_module_tree)
         self.interp_in_step = True
         return batch
 

@@ -29,6 +29,7 @@ from vllm_runner.ops import Op
 from vllm_runner.ops.locations import PER_SAMPLED_ROW, resolve, unservable
 from vllm_runner.ops.program import Program, ProgramCache, ProgramData
 from vllm_runner.ops.wants import ScheduledRequest
+from vllm_runner.runtime.door import GraphNeed
 from vllm_runner.runtime.hooks import EMBEDDINGS, SAMPLER_HOOK, TOKEN_IDS, Hooks, TokenIdsHook
 from vllm_runner.runtime.lens import ModelLens
 from vllm_runner.runtime.pattern_edits import edit_refusal, with_pattern_outputs
@@ -53,7 +54,10 @@ def never_ran(location: str) -> str:
 
 
 class Runtime:
-    """Hooks only what this step's programs name, and runs their ops on their own rows."""
+    """Hooks only what this step's programs name, and runs their ops on their own rows.
+
+    The engine adapters reach it through `door.StepDoor` and the worker's RPCs through
+    `door.WorkerDoor`; the rest is its own."""
 
     def __init__(self, model: nn.Module, hf_config: Any, fragments: Fragments | None = None,
                  rank: int = 0, reads: ReadMode = "lease",
@@ -214,13 +218,22 @@ class Runtime:
                         "them to keep those steps compiled", ", ".join(sorted(new)))
         return bool(untapped)
 
-    def needs_module_tree_for(self, data: Sequence[ProgramData]) -> bool:
-        """`needs_module_tree` for programs as they travel (before the step decodes them); one
-        that does not decode or resolve runs the module tree, where its failure is reported."""
+    def graph_need(self, data: Sequence[ProgramData]) -> GraphNeed:
+        """What a compiled step running the programs `data` (as they travel, before the step
+        decodes them) needs of its CUDA graph, asked once a step: the plain module tree where
+        one acts where no tap serves (`needs_module_tree`; also one that does not decode or
+        resolve, whose failure is reported there), no full graph where one needs a tap's
+        Python (`needs_tap_python`), else the engine's own choice."""
         try:
-            return self.needs_module_tree([self.programs.get(one) for one in _one_per_digest(data)])
+            programs = [self.programs.get(one) for one in _one_per_digest(data)]
+            if self.needs_module_tree(programs):
+                return GraphNeed.MODULE_TREE
         except Exception:
-            return True
+            return GraphNeed.MODULE_TREE
+        try:
+            return GraphNeed.PIECES if self.needs_tap_python(programs) else GraphNeed.ANY
+        except Exception:
+            return GraphNeed.PIECES
 
     def support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason."""
@@ -310,10 +323,19 @@ class Runtime:
 
     # ------------------------------------------------------------------ per step
 
-    def count_forward(self, compiled: bool, programs: bool) -> None:
-        """Count one real forward (`forwards`), after `begin_step`: by whether it ran vLLM's
-        compiled path and, if it did, whether its programs were served by the taps' Python or
-        inside the graph alone."""
+    @property
+    def any_failed(self) -> bool:
+        """Whether some program failed and was not collected yet (`SaveStore.any_failed`)."""
+        return self.store.any_failed
+
+    def saves_held(self) -> dict[str, int]:
+        """What the store holds for requests not collected yet (`SaveStore.held`)."""
+        return self.store.held()
+
+    def _count_forward(self, compiled: bool, programs: bool) -> None:
+        """Count one real forward (`forwards`), as `begin_step` plans it: by whether it runs
+        vLLM's compiled path and, if it does, whether its programs are served by the taps'
+        Python or inside the graph alone."""
         in_graph = self._served_in_graph and not self._tokens.wants
         self.forwards["eager" if not compiled else "compiled" if not programs else
                       "in_graph" if in_graph else "taps"] += 1
@@ -340,13 +362,6 @@ class Runtime:
             for op in program.ops:
                 for location in self.locations_of(op):
                     yield program, location
-
-    def needs_tap_python_for(self, data: Sequence[ProgramData]) -> bool:
-        """`needs_tap_python` for programs as they travel; one that does not decode needs it."""
-        try:
-            return self.needs_tap_python([self.programs.get(one) for one in _one_per_digest(data)])
-        except Exception:
-            return True
 
     @property
     def every_program_acts(self) -> bool:
@@ -377,8 +392,13 @@ class Runtime:
                 [op for op in program.ops if location in self.locations_of(op)], rows.width)
         return known
 
-    def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest]) -> None:
-        """Plan the step and hook what its programs want (nothing, for a step without any)."""
+    def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest],
+                   compiled_forward: bool | None = None) -> None:
+        """Plan the step and hook what its programs want (nothing, for a step without any).
+        `compiled_forward`: whether the engine's forward runs vLLM's compiled path, counted in
+        `forwards` by what runs (`None`: a step planned outside an engine's forward, not
+        counted)."""
+        with_programs = bool(requests)
         if failed := set(self.store.spill(self.device_saves_limit)):  # the last step's are made
             # Their saves are gone: this step serves them nothing (steering included).
             requests = [request for request in requests
@@ -400,6 +420,8 @@ class Runtime:
             request.program.reads_token_ids for request in requests))
         if self.taps:
             serve_taps(self)
+        if compiled_forward is not None:
+            self._count_forward(compiled_forward, with_programs)
 
     def end_step(self) -> None:
         """Fail the programs that waited at a hook that never ran, then forget the step's token

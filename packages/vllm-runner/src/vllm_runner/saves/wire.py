@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -75,8 +76,8 @@ class SharedFiles:
         self.files.clear()
 
 
-def encode(collected: Collected, views: bool = False, files: SharedFiles | None = None
-           ) -> Collected:
+def encode(collected: Mapping[str, Mapping[str, Any]], views: bool = False,
+           files: SharedFiles | None = None) -> Collected:
     """`collected` with each host tensor replaced by `[dtype name, shape, raw bytes]`: `bytes`,
     or with `views` a memoryview of the tensor's own memory (for msgpack only: see above).
 
@@ -97,7 +98,7 @@ def encode(collected: Collected, views: bool = False, files: SharedFiles | None 
         raise
 
 
-def _encoded_or_failed(program_id: str, result: dict[str, Any], views: bool,
+def _encoded_or_failed(program_id: str, result: Mapping[str, Any], views: bool,
                        files: SharedFiles) -> dict[str, Any]:
     """`_encode_result`, or where it fails, the request with no saves and the cause added to
     its error: one request's failure costs the others nothing."""
@@ -141,7 +142,7 @@ def _segment_paths(data: Any) -> list[str]:
             if isinstance(segment, list | tuple) and segment and isinstance(segment[0], str)]
 
 
-def _encode_result(result: dict[str, Any], views: bool, file: shm_files.SharedFile | None
+def _encode_result(result: Mapping[str, Any], views: bool, file: shm_files.SharedFile | None
                    ) -> dict[str, Any]:
     """One request's result as plain data (see `encode`): its tensors in `file`, or in the
     message."""
