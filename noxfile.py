@@ -260,7 +260,8 @@ def typecheck(session: nox.Session) -> None:
 @nox.parametrize("package", list(_package_dirs()))
 def bench(session: nox.Session, package: str) -> None:
     """Run a package's benchmark script (never part of `tests`); results go to docs/
-    (docs/benchmarks.md for vllm-runner, docs/benchmarks/ for the lower layers)."""
+    (docs/benchmarks/eager-cpu.md for vllm-runner, docs/benchmarks/<package>.md for the lower
+    layers; docs/benchmarks.md summarises them)."""
     script = ROOT / "benchmarks" / f"{package.replace('-', '_')}_bench.py"
     if not script.exists():
         session.skip(f"{package} has no benchmark script at {script.relative_to(ROOT)}")

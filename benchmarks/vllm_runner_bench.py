@@ -1,8 +1,9 @@
 """What interpretability costs inside vLLM: each arm against the bare engine, side by side.
 
 Run with `nox -s "bench(package='vllm-runner')"` (arguments after `--`, e.g. `-- --repeats 5`).
-It rewrites docs/benchmarks.md and its plot (docs/benchmarks/vllm-runner.png); on a GPU,
-benchmarks/gpu/check.sh runs it with a random model of a real shape and `--graphs`.
+It rewrites docs/benchmarks/eager-cpu.md and its plot (docs/benchmarks/vllm-runner.png);
+docs/benchmarks.md summarises it beside the other benchmarks. On a GPU, benchmarks/gpu/check.sh
+runs it with a random model of a real shape and `--graphs`.
 
 Method (docs/benchmarks.md): one process holds a bare `vllm.LLM` and our `LLM`, with the same
 model and engine settings (eager, in-process engines so no idle engine process competes for the
@@ -56,7 +57,7 @@ from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "docs" / "benchmarks" / "eager-cpu.md"
 PLOT = ROOT / "docs" / "benchmarks" / "vllm-runner.png"
 TARGETS = {"a": 0.99, "b": 0.97, "c": 0.80, "d": 0.98, "e": 0.99}
 NAMES = {

@@ -5,8 +5,8 @@ multi-tensor ways launch (torch's profiler). `serving.private_copies` uses the f
 
     benchmarks/gpu/check.sh python3 benchmarks/gpu/private_copies.py
 
-Last result: docs/gpu/k-033/private-copies-h100.txt (printed by a first form of this script,
-which named the ways a, b, c and mul in this order).
+Its H100 result (the user's function and the fastest copies, per 64 pieces) is in
+docs/cuda-graphs-design.md, "What it costs now".
 """
 
 from __future__ import annotations
