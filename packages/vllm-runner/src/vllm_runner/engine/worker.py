@@ -27,17 +27,11 @@ class WorkerRPC:
     model_runner: Any
     vllm_config: Any
 
-    @property
-    def _interp(self) -> WorkerDoor:
-        """The runtime of this worker's model runner, as its RPCs may use it."""
-        door: WorkerDoor = self.model_runner.interp
-        return door
-
     def interp_resolve(self, patterns: list[str]) -> dict[str, Any]:
         """Canonical locations for each pattern, or the error message that refuses it; and,
         for each location found, why an edit there can never be served (only those where it
         cannot: `edit_refusals`)."""
-        runtime = self._interp
+        runtime = _door(self)
         resolved, errors = {}, {}
         for pattern in patterns:
             try:
@@ -57,12 +51,12 @@ class WorkerRPC:
         `shm_files.identity`) and this is the engine's only worker; as the tensors themselves
         (`encoded=False`) for an in-process client, which saves the copies."""
         if not encoded:
-            return dict(self._interp.collect(finished))
+            return dict(_door(self).collect(finished))
         shared = (shared_memory is not None and shared_memory == shm_files.identity()
                   and getattr(self.vllm_config.parallel_config, "world_size", 1) == 1)
         files = wire.SharedFiles() if shared else None
         try:
-            collected = self._interp.collect(finished,
+            collected = _door(self).collect(finished,
                                                          files.places if files else None)
             return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
                                files=files)
@@ -73,15 +67,15 @@ class WorkerRPC:
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
-        return self._interp.support()
+        return _door(self).support()
 
     def interp_layouts(self) -> dict[str, list[str]]:
         """Every available value's axis names, by location. Runs nothing."""
-        return self._interp.layouts()
+        return _door(self).layouts()
 
     def interp_drop(self, program_ids: list[str]) -> None:
         """Free the saves of requests that will never be collected."""
-        self._interp.drop(program_ids)
+        _door(self).drop(program_ids)
 
     def interp_forget_cut_step(self) -> None:
         """After a Ctrl-C stopped an in-process engine between a step's forward and its sampling
@@ -93,17 +87,17 @@ class WorkerRPC:
 
     def interp_held(self) -> dict[str, int]:
         """What this worker holds for requests not collected yet (`SaveStore.held`)."""
-        return self._interp.saves_held()
+        return _door(self).saves_held()
 
     def interp_taps(self) -> dict[str, Any]:
         """The canonical locations this worker serves from inside the compiled model
         (`"taps"`), and the tap patterns it refused, with the reasons (`"refused"`)."""
-        runtime = self._interp
+        runtime = _door(self)
         return {"taps": sorted(runtime.taps), "refused": dict(runtime.refused_taps)}
 
     def interp_forwards(self) -> dict[str, int]:
         """Forwards run so far, by path (`Runtime.forwards`)."""
-        return dict(self._interp.forwards)
+        return dict(_door(self).forwards)
 
 
 def results_reach_msgpack(vllm_config: Any) -> bool:
@@ -119,3 +113,9 @@ class InterpGPUWorker(WorkerRPC, GPUWorker):
     def init_device(self) -> None:
         super().init_device()
         attach(self.model_runner)
+
+
+def _door(worker: Any) -> WorkerDoor:
+    """The runtime of a worker's model runner, as the worker's RPCs may use it."""
+    door: WorkerDoor = worker.model_runner.interp
+    return door
