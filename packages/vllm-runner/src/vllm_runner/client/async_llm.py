@@ -20,16 +20,11 @@ from vllm import SamplingParams
 from vllm_runner.client.collection import collect_async, finished_output
 from vllm_runner.client.engine_start import choose_defaults
 from vllm_runner.client.llm import as_prompt_dict, prepare_engine
+from vllm_runner.client.submission import Submission
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
-from vllm_runner.ops.program import (
-    attach_program,
-    check_ops,
-    encode_ops,
-    program_digest,
-    salted,
-)
+from vllm_runner.ops.program import check_ops
 
 logger = logging.getLogger("vllm.interp")
 
@@ -101,12 +96,11 @@ class AsyncLLM:
             return
         ops = list(interventions)
         await self._check(ops, sampling_params)
-        data = encode_ops(ops)
-        digest = program_digest(data)
+        submission = Submission.of(ops)
         params = sampling_params.clone()  # the caller's object is not changed
-        program_id = attach_program(params, data, digest)
+        program_id = submission.attach(params)
         request: Any = as_prompt_dict(prompt)  # a TextPrompt or TokensPrompt dict
-        request["cache_salt"] = salted(request.get("cache_salt"), digest)
+        request["cache_salt"] = submission.salt(request.get("cache_salt"))
         collected = False
         try:
             async for output in self.engine.generate(request, params, request_id, **kwargs):

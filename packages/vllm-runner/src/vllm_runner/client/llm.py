@@ -30,6 +30,7 @@ from vllm_runner.client.collection import (
 )
 from vllm_runner.client.engine_start import eager_by_default, start
 from vllm_runner.client.samples import Fanned, fan_keywords, label_completions, merge, sample_params
+from vllm_runner.client.submission import Submission
 from vllm_runner.client.trace import Trace
 from vllm_runner.engine import rpc as engine_rpc
 from vllm_runner.engine import vllm_client
@@ -38,13 +39,7 @@ from vllm_runner.errors import EngineDied, TapsRefused
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
-from vllm_runner.ops.program import (
-    attach_program,
-    check_ops,
-    encode_ops,
-    program_digest,
-    salted,
-)
+from vllm_runner.ops.program import check_ops
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
@@ -377,7 +372,7 @@ class LLM:
         starts: list[int] = []
         counts: list[int] = []
         # One program given for every prompt is encoded (tensors, pickled code, digest) once.
-        encoded: dict[tuple[int, ...], tuple[list[dict[str, Any]], str]] = {}
+        submissions: dict[tuple[int, ...], Submission] = {}
         for prompt, ops, given in zip(prompt_list, programs,
                                       _per_prompt(sampling_params, len(prompt_list)),
                                       strict=True):
@@ -392,12 +387,11 @@ class LLM:
                 program_id = None
                 if ops:
                     signature = tuple(map(id, ops))
-                    if signature not in encoded:
-                        data = encode_ops(ops)
-                        encoded[signature] = (data, program_digest(data))
-                    data, digest = encoded[signature]
-                    program_id = attach_program(param, data, digest)
-                    request["cache_salt"] = salted(request.get("cache_salt"), digest)
+                    if signature not in submissions:
+                        submissions[signature] = Submission.of(ops)
+                    submission = submissions[signature]
+                    program_id = submission.attach(param)
+                    request["cache_salt"] = submission.salt(request.get("cache_salt"))
                 requests.append(request)
                 params.append(param)
                 program_ids.append(program_id)

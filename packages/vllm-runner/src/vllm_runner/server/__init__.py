@@ -35,7 +35,6 @@ from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner.engine.compat import check_version
 from vllm_runner.errors import LocationError
-from vllm_runner.ops.program import salted
 from vllm_runner.server import routes as server_routes
 from vllm_runner.server.json_ops import InterventionInputError
 from vllm_runner.server.requests import InterpChatCompletionRequest, InterpCompletionRequest
@@ -107,7 +106,7 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
         except InterventionInputError as error:
             return error_response(error.status, str(error), error.field)
         request._interp = plan
-        request.cache_salt = salted(request.cache_salt, plan.digest)
+        request.cache_salt = plan.salt(request.cache_salt)
     keep_token_ids = bool(request.return_token_ids)
     if plan is not None:
         request.return_token_ids = True  # the saves are trimmed to each choice's tokens

@@ -17,8 +17,6 @@ from vllm_runner.client.collection import collect_async
 from vllm_runner.ops import Op, Save
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import unservable
-from vllm_runner.ops.program import encode_ops, program_digest
-from vllm_runner.saves.collection import finished_request
 from vllm_runner.server.json_ops import InterventionInputError, ops_from_json, saves_to_json
 from vllm_runner.server.kept_saves import KeptSaves, OverBudget
 from vllm_runner.server.requests import Plan
@@ -65,9 +63,9 @@ class ServerState:
         every value (what `plan` checks tensors and bounds saves with)."""
         (layouts, *_) = await self.engine.collective_rpc("interp_layouts")
         ops: list[Op] = [Save(location) for location in layouts]
-        data = encode_ops(ops)
-        plan = Plan(data, program_digest(data))
-        params = plan.attach(SamplingParams(max_tokens=1, temperature=0.0))
+        plan = Plan.of(ops)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        plan.attach(params)
         async for _ in self.engine.generate({"prompt_token_ids": [0]}, params,
                                             f"interp-shapes-{plan.program_ids[0]}"):
             pass
@@ -82,8 +80,7 @@ class ServerState:
         ops = ops_from_json(interventions, self.vectors.get,
                             allow_code=self.settings.allow_code)
         locations = await self._check(ops)
-        data = encode_ops(ops)
-        return Plan(data, program_digest(data), ops=ops, locations=locations)
+        return Plan.of(ops, locations=locations)
 
     def check_saved_bytes(self, plan: Plan, prompt_lengths: list[int],
                           max_tokens: int | None) -> None:
@@ -161,9 +158,9 @@ class ServerState:
                        generated: dict[int, int]) -> list[dict[str, Any]]:
         """What each of the plan's finished engine requests saved, and its error, in prompt
         order, from the worker in one call."""
-        finished = [finished_request(program_id, prompt_lengths.get(index, 0),
-                                     generated.get(index, 0))
-                    for index, program_id in enumerate(plan.program_ids)]
+        indices = range(len(plan.program_ids))
+        finished = plan.finished([prompt_lengths.get(index, 0) for index in indices],
+                                 [generated.get(index, 0) for index in indices])
         collected = await collect_async(self.engine, finished)
         return [collected.get(program_id, {}) for program_id in plan.program_ids]
 
