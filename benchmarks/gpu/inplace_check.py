@@ -12,7 +12,7 @@ taken at the moment it was handed over. It asserts:
    it counts how many kept values no longer equal their clones — on GPU this is where the trap
    shows; on CPU it may be zero;
 4. (1) and (2) again with one program shared by every request, so saves take the path that
-   reads a value once for all of them (`vllm_runner.runtime.serving.serve_together`).
+   reads a value once for all of them (`vllm_runner.runtime.row_serving.serve_together`).
 
 With `VLLM_INTERP_DEVICE_SAVES_MIB=0` every step's saves move to the host before the next step
 (`SaveStore.spill`), so (2) and (4) check that path too. With `--engine taps` the engine is

@@ -1,6 +1,6 @@
 """Host time of a plain `Call`'s private copies on CUDA: 64 one-row pieces of a SmolLM2-wide
 bfloat16 value (as at a decode step of 64 requests), copied four ways, and the kernels the two
-multi-tensor ways launch (torch's profiler). `serving.private_copies` uses the fastest;
+multi-tensor ways launch (torch's profiler). `row_serving.private_copies` uses the fastest;
 `user-edit` is what the benchmarks' own function (`value * 1.0`) costs for the same pieces.
 
     benchmarks/gpu/check.sh python3 benchmarks/gpu/private_copies.py

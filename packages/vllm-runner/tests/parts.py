@@ -15,7 +15,7 @@ from vllm_envoys.sites import Output
 from vllm_runner.ops import Op
 from vllm_runner.ops.program import Program
 from vllm_runner.ops.wants import ScheduledRequest
-from vllm_runner.runtime.serving import Services, Visits
+from vllm_runner.runtime.row_serving import Services, Visits
 from vllm_runner.saves.store import SaveStore
 
 HIDDEN = 4
@@ -91,13 +91,13 @@ def cat_on_one_device(tensors, *args, **kwargs):
 
 def served_through(name: str, value: Value, raw: Any, visits: Visits, used: Services
                    ) -> list[bool]:
-    """Serve `visits` at `value`'s location (`serving.serve`) and say what `serving.<name>` (a
+    """Serve `visits` at `value`'s location (`row_serving.serve`) and say what `serving.<name>` (a
     way of serving a group together) answered each time it was asked: `[True]` when it served
     the one group, `[]` when it was never asked."""
-    from vllm_runner.runtime import serving
+    from vllm_runner.runtime import row_serving
     answers: list[bool] = []
-    way = getattr(serving, name)
+    way = getattr(row_serving, name)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(serving, name, lambda *args: answers.append(way(*args)) or answers[-1])
-        serving.serve(value, raw, visits, used)
+        patch.setattr(row_serving, name, lambda *args: answers.append(way(*args)) or answers[-1])
+        row_serving.serve(value, raw, visits, used)
     return answers

@@ -1,4 +1,4 @@
-"""Plain `Call`s of a group served between one read and one write (`serving._call_each`): each
+"""Plain `Call`s of a group served between one read and one write (`row_serving._call_each`): each
 request's function, its errors and what lands in the engine's rows must be exactly what serving
 each request alone (`serve_one`, the path every engine-level test checks against transformers)
 gives — whatever each function does."""
@@ -29,7 +29,7 @@ from vllm_runner.ops.checks import (
 )
 from vllm_runner.ops.program import Program
 from vllm_runner.ops.wants import ScheduledRequest
-from vllm_runner.runtime import serving
+from vllm_runner.runtime import row_serving
 from vllm_runner.runtime.step_plan import plan_step
 from vllm_runner.saves.store import SaveStore
 
@@ -86,7 +86,7 @@ def served(counts: list[int], firsts: list[int], chosen: list[str],
     if alone:
         for group in plan.tokens.wants["layers.0.layer_output"]:
             for want in group:
-                serving.serve_one(want, value, raw, layout, 1, used)
+                row_serving.serve_one(want, value, raw, layout, 1, used)
     else:
         together = served_through("_call_each", value, raw, plan.tokens, used)
         assert together == ([True] if len(chosen) > 1 else [])
@@ -106,7 +106,7 @@ def test_plain_calls_of_a_group_equal_each_request_served_alone(requests, reads,
     fails alone with the same error, and each function was given the same rows and context —
     also with the results checked as on a GPU (`non_finite_counts_on_device`: every request's
     rows written where its count allows, the counts read afterwards). No NaN is ever written."""
-    with mock.patch.object(serving, "non_finite_counts",
+    with mock.patch.object(row_serving, "non_finite_counts",
                            non_finite_counts_on_device if as_on_a_gpu else non_finite_counts):
         _group_equals_each_alone(requests, reads, stream, data)
 
@@ -163,7 +163,7 @@ def test_a_group_of_plain_calls_never_waits_for_the_device_to_check_their_edits(
     while the group is served (it waited there once a step, in the middle of the forward);
     the answers are read once, together, when the store is next asked about a failure. (On
     the host the answer is at hand, so it is checked as a GPU checks it here.)"""
-    monkeypatch.setattr(serving, "non_finite_counts", non_finite_counts_on_device)
+    monkeypatch.setattr(row_serving, "non_finite_counts", non_finite_counts_on_device)
     events: list[Any] = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist",
@@ -178,16 +178,16 @@ def test_a_group_of_plain_calls_never_waits_for_the_device_to_check_their_edits(
 
 
 def test_each_private_copy_has_memory_of_its_own_and_the_pieces_values_and_layout() -> None:
-    """One multi-tensor copy makes them (`serving.private_copies`): no copy is a view that
+    """One multi-tensor copy makes them (`row_serving.private_copies`): no copy is a view that
     could reach another request's rows through its storage, and each is laid out as `clone`
     laid it out (a slice along the tokens axis of queries is not dense: made contiguous)."""
     whole = torch.randn(2, 3, 8, 4)  # (batch heads tokens head_dim): tokens on axis 2
     pieces = list(whole.split([3, 5], 2))
-    copies = serving.private_copies(pieces)
+    copies = row_serving.private_copies(pieces)
     for piece, copy in zip(pieces, copies, strict=True):
         assert torch.equal(copy, piece) and copy.stride() == piece.clone().stride()
         assert copy._base is None and copy.untyped_storage().nbytes() == piece.numel() * 4
-    assert serving.private_copies([]) == []
+    assert row_serving.private_copies([]) == []
 
 
 def test_private_copies_are_made_the_same_on_a_torch_without_one_clone_for_all(
@@ -195,9 +195,9 @@ def test_private_copies_are_made_the_same_on_a_torch_without_one_clone_for_all(
     """`torch._foreach_clone` is recent: without it each copy is allocated apart and filled
     by one multi-tensor copy, with the same storage, values and layout."""
     pieces = list(torch.randn(2, 3, 8, 4).split([3, 5], 2))
-    expected = serving.private_copies(pieces)
-    monkeypatch.setattr(serving, "_CLONE_ALL", None)
-    copies = serving.private_copies(pieces)
+    expected = row_serving.private_copies(pieces)
+    monkeypatch.setattr(row_serving, "_CLONE_ALL", None)
+    copies = row_serving.private_copies(pieces)
     for piece, copy, made in zip(pieces, copies, expected, strict=True):
         assert torch.equal(copy, made) and copy.stride() == made.stride()
         assert copy._base is None and copy.untyped_storage().nbytes() == piece.numel() * 4

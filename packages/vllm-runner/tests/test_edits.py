@@ -85,7 +85,7 @@ def transformers_run(model, prompt: list[int], install) -> tuple[list[int], list
 @pytest.mark.parametrize("name", list(CASES))
 def test_edit_equals_transformers_by_hand(llm, reference, name) -> None:
     """Three requests run the same edit, one runs none. The three are edited together
-    (`serving.serve_together`): requests 0 and 1 as one run of rows wherever they are
+    (`row_serving.serve_together`): requests 0 and 1 as one run of rows wherever they are
     adjacent (every decode step), request 3 as a run of its own. Each edited request equals
     transformers; the plain one is untouched."""
     op, install = CASES[name]

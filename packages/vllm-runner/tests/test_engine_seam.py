@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 ENGINE_FREE = ("vllm_runner.runtime.runtime", "vllm_runner.runtime.step_plan",
-               "vllm_runner.runtime.hooks", "vllm_runner.runtime.serving", "vllm_runner.ops",
+               "vllm_runner.runtime.hooks", "vllm_runner.runtime.row_serving", "vllm_runner.ops",
                "vllm_runner.ops.program",
                "vllm_runner.saves.store", "vllm_runner.runtime.lens", "vllm_runner.runtime.sharded")
 

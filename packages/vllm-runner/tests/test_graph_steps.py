@@ -15,8 +15,8 @@ from vllm_runner import ops
 from vllm_runner.compiled.graph_steps import GraphSteps
 from vllm_runner.compiled.in_graph import InGraphRows
 from vllm_runner.compiled.repeated_saves import RepeatedSaves
+from vllm_runner.compiled.tap_edits import AblateRows, SteerRows, steered_rows
 from vllm_runner.compiled.tap_saves import SaveRing
-from vllm_runner.compiled.tap_steering import AblateRows, SteerRows, steered_rows
 from vllm_runner.ops.program import Program
 from vllm_runner.ops.wants import ScheduledRequest
 from vllm_runner.runtime.step_plan import plan_step

@@ -20,8 +20,8 @@ from vllm_envoys.layouts import QUERIES, RESIDUAL
 from vllm_envoys.sites import Output
 from vllm_runner import ops
 from vllm_runner.compiled.in_graph import InGraphRows, in_graph_ops, in_graph_value
+from vllm_runner.compiled.tap_edits import AblateRows, SteeredRows, SteerRows
 from vllm_runner.compiled.tap_saves import SaveRing
-from vllm_runner.compiled.tap_steering import AblateRows, SteeredRows, SteerRows
 from vllm_runner.compiled.taps import install_taps
 from vllm_runner.ops.wants import Want
 from vllm_runner.saves.arena import SaveArena
@@ -219,7 +219,7 @@ def test_rows_lose_their_own_direction_in_a_compiled_graph_as_project_out_edits_
     other = ops.ProjectOut("first.out", torch.randn(WIDTH), positions=(-1,))
     vector = torch.randn(WIDTH)
     cache = in_graph.ablate.vectors
-    last_only = other.keeps(13)
+    last_only = other.position_filter(13)
     in_graph.ablate.fill([SteeredRows(0, 3, 0, cache.vector((one,)), None),
                           SteeredRows(4, 7, 10, cache.vector((other,)), last_only)])
     in_graph.steer.fill([SteeredRows(0, 3, 0, vector, None)])
@@ -290,10 +290,10 @@ def test_a_save_with_positions_takes_only_its_rows_from_the_ring() -> None:
                      [want("c", Span(7, 10, 0), every)], [want("d", Span(7, 10, 0), never)]],
                     lambda program: False, value, store)
     assert reserved == [1 + 3 + 3]
-    saved = store.collect([ToCollect("program a", 5, {"first.out": last.keeps(5)}),
-                           ToCollect("program b", 5, {"first.out": two.keeps(5)}),
+    saved = store.collect([ToCollect("program a", 5, {"first.out": last.position_filter(5)}),
+                           ToCollect("program b", 5, {"first.out": two.position_filter(5)}),
                            ToCollect("program c", 3, {"first.out": None}),
-                           ToCollect("program d", 3, {"first.out": never.keeps(5)})])
+                           ToCollect("program d", 3, {"first.out": never.position_filter(5)})])
     assert saved["program d"]["first.out"].shape == (1, 0, WIDTH)  # its name, no rows
     assert torch.equal(saved["program a"]["first.out"], ring[[3]].unsqueeze(0))  # position 4
     assert torch.equal(saved["program b"]["first.out"], ring[[4, 6]].unsqueeze(0))  # 2 and 4

@@ -9,7 +9,7 @@ from conftest import GENERATED, PROMPTS
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import ops
-from vllm_runner.runtime import lens, serving
+from vllm_runner.runtime import lens, row_serving
 
 
 def test_lens_equals_transformers_top_k_at_every_position(llm, reference) -> None:
@@ -39,16 +39,16 @@ def test_a_lens_of_no_tokens_is_refused_when_made(top_k) -> None:
 
 
 def answers_of(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
-    """What `serving.<name>` (a way of serving a group together) answers each time the engine
+    """What `visits.<name>` (a way of serving a group together) answers each time the engine
     asks it, from now on."""
     answers: list[bool] = []
-    way = getattr(serving, name)
+    way = getattr(row_serving, name)
 
     def recorded(*args, **kwargs):
         answers.append(way(*args, **kwargs))
         return answers[-1]
 
-    monkeypatch.setattr(serving, name, recorded)
+    monkeypatch.setattr(row_serving, name, recorded)
     return answers
 
 
@@ -81,7 +81,7 @@ def test_the_logit_lens_at_each_prompts_last_token_is_served_together_equal_to_t
     """The usual probe — `Lens(..., positions=(-1,))` at every layer on many prompts — has the
     rows it keeps gathered and projected once a step for all the requests (not one lens each),
     and each request's one row equals transformers' top-k at its prompt's last token."""
-    joined = answers_of(monkeypatch, "_lens_kept_together")
+    joined = answers_of(monkeypatch, "_lens_selected_together")
     outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
                            SamplingParams(max_tokens=GENERATED, temperature=0.0),
                            interventions=[[ops.Lens("layers.*.layer_output", top_k=3,

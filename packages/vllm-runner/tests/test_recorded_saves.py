@@ -89,7 +89,7 @@ def test_recorded_rows_are_collected_as_if_saved_one_by_one(schedule, on_device,
                     span = layout[key]
                     expected_store.save(key, location, span.first_position,
                                         value[:, span.start:span.stop].clone(), 1)
-                if failed[location]:  # `serving.serve_one`: each member's own save
+                if failed[location]:  # `row_serving.serve_one`: each member's own save
                     for key in keys:
                         span = layout[key]
                         store.save(key, location, span.first_position,

@@ -338,12 +338,12 @@ def test_a_collection_that_fails_loses_no_requests_text(llm, reference, monkeypa
 def test_requests_saving_the_same_value_share_one_read_and_each_equal_transformers(
         llm, reference, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests 0 and 2 run the same program (every layer saved), so each step reads each
-    value once for both (`serving.serve_together`); request 1 also steers layer 1, a program
+    value once for both (`row_serving.serve_together`); request 1 also steers layer 1, a program
     of its own. Each request's rows must still be its own, in position order, over chunked
     steps."""
-    from vllm_runner.runtime import serving
+    from vllm_runner.runtime import row_serving
     shared: list[int] = []
-    original = serving.serve_together
+    original = row_serving.serve_together
 
     def counting(value, raw, members, *args, **kwargs):
         served = original(value, raw, members, *args, **kwargs)
@@ -351,7 +351,7 @@ def test_requests_saving_the_same_value_share_one_read_and_each_equal_transforme
             shared.append(len(members))
         return served
 
-    monkeypatch.setattr(serving, "serve_together", counting)
+    monkeypatch.setattr(row_serving, "serve_together", counting)
     vector = torch.randn(128, generator=torch.Generator().manual_seed(3))
     everything = [ops.Save("layers.*.layer_output"), ops.Save("layers.*.mlp_neurons")]
     programs = [everything, [*everything, ops.Add("layers.1.layer_output", vector)], everything]

@@ -19,8 +19,8 @@ from tokenspan import StepLayout
 from vllm_envoys import Value
 
 from vllm_runner.compiled.in_graph import InGraphRows, in_graph_ops
+from vllm_runner.compiled.tap_edits import RowTable
 from vllm_runner.compiled.tap_saves import SaveRing
-from vllm_runner.compiled.tap_steering import RowTable
 from vllm_runner.ops import Add, Op, ProjectOut
 from vllm_runner.ops.graph_ops import GraphOps
 from vllm_runner.ops.program import Program
@@ -105,7 +105,7 @@ class GraphSteps:
             if split is None or not in_graph_ops(ops, self._in_graph[location].width):
                 return None
             adds, ablations = split.adds, split.ablations
-            if any(op.keeps(1) is not None for op in (*adds, *ablations)):
+            if any(op.position_filter(1) is not None for op in (*adds, *ablations)):
                 return None  # an edit at some positions only: the general plan's index
             if any(op.positions is not None for op in split.saves):
                 return None  # the general plan keeps only the rows it names (`SaveRing.take`)

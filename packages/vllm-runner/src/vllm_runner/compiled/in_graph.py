@@ -5,7 +5,7 @@ and a step whose programs need it cannot replay a full CUDA graph. `ProjectOut`,
 `Save` need none: at a tap of a residual-width value (`[tokens, hidden]` rows, or vLLM's two
 stream halves) that is whole on every rank, the tap's hook first takes from each row its
 component along the row's ablated direction, then adds the row's steering vector, both from
-buffers (`tap_steering`), then copies the value into a ring buffer (`tap_saves`); the runtime
+buffers (`tap_edits`), then copies the value into a ring buffer (`tap_saves`); the runtime
 fills the first two before the forward and reads the last after it. A location is served this
 way on a step when every program waiting there has only such ops there and in that order (at
 most one `ProjectOut`, then its `Add`s, then its `Save`s: the copy follows the edits), and at
@@ -25,8 +25,8 @@ from vllm_envoys import Value
 from vllm_envoys.codecs import Rows, Stream
 from vllm_envoys.layouts import RESIDUAL
 
+from vllm_runner.compiled.tap_edits import AblateRows, RowTable, SteerRows
 from vllm_runner.compiled.tap_saves import SaveRing
-from vllm_runner.compiled.tap_steering import AblateRows, RowTable, SteerRows
 from vllm_runner.ops import Add, Op, ProjectOut
 from vllm_runner.ops.graph_ops import GraphOps
 from vllm_runner.saves.arena import SaveArena
@@ -66,7 +66,7 @@ def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
         # turn are not one projection
     if not all(_one_row(op.vector, width) for op in adds):
         return False
-    return len(adds) <= 1 or all(op.keeps(1) is None for op in adds)
+    return len(adds) <= 1 or all(op.position_filter(1) is None for op in adds)
 
 
 class InGraphRows:

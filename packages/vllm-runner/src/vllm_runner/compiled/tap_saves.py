@@ -49,7 +49,7 @@ class SaveRing:
     def take(self, groups: Iterable[Iterable[Want]], failed: Callable[[str], bool],
              value: Value, store: SaveStore) -> None:
         """Keep each saving request's rows of the last forward (a request's `Save`s there
-        share one copy: from the first row one of them keeps to the last, `RowOp.kept_runs`, so
+        share one copy: from the first row one of them keeps to the last, `RowOp.selected_runs`, so
         a probe of the prompt's last token keeps one row, not the prompt), skipping programs
         that failed and steps the value is not served at."""
         kept: dict[str, tuple[Want, int, int]] = {}  # per program: its rows' offsets kept

@@ -185,7 +185,7 @@ def install_taps(values: list[Value], steers: Mapping[str, Steer] | None = None
     so a tapped location is served by its tap alone, never by a second, ordinary hook.
 
     `steers` (by location) add their rows' vectors in the graph before the op runs
-    (`tap_steering`)."""
+    (`tap_edits`)."""
     groups: dict[tuple[int, str], list[Value]] = {}
     for value in values:
         groups.setdefault((id(value.module), value.side), []).append(value)

@@ -159,7 +159,7 @@ class RunnerMixin:
         location no tap serves (its hooks would not run in a replay), and no full graph where
         programs need a tap's Python (a full graph replays the taps' kernels, not their Python;
         the piecewise graphs run the tap op between their pieces). Steering the graph serves
-        from its buffers (`tap_steering`) leaves vLLM's choice as it is."""
+        from its buffers (`tap_edits`) leaves vLLM's choice as it is."""
         count = kwargs.get("num_reqs", args[1] if len(args) > 1 else 0)
         if not self.interp.compiled or not (programs := programs_of(self, self.interp, count)):
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
@@ -169,7 +169,7 @@ class RunnerMixin:
             kwargs["force_eager"] = True
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
-        if need is GraphNeed.ANY:  # all in the graph (`tap_steering`)
+        if need is GraphNeed.ANY:  # all in the graph (`tap_edits`)
             return super()._determine_batch_execution_and_padding(  # type: ignore[misc]
                 *args, **kwargs)
         with pieces_only(self):

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_runner.ops.base import GroupServer as GroupServer
-from vllm_runner.ops.base import KeepPosition as KeepPosition
 from vllm_runner.ops.base import Op
+from vllm_runner.ops.base import PositionFilter as PositionFilter
 from vllm_runner.ops.base import RowOp as RowOp
 from vllm_runner.ops.call import Call, CallContext
 from vllm_runner.ops.checks import STEPS, Steps

@@ -28,15 +28,15 @@ if TYPE_CHECKING:
     from vllm_runner.ops.call import Call
     from vllm_runner.ops.edits import EditOp
     from vllm_runner.ops.reads import Lens, Save
-    from vllm_runner.runtime.serving import Visit
+    from vllm_runner.runtime.row_serving import Visit
 
 
-KeepPosition = Callable[[int], bool]
+PositionFilter = Callable[[int], bool]
 
 
 class GroupServer(Protocol):
     """How the worker serves many requests running one op with one read (and one write) per run
-    of their rows (`runtime.serving.serve_together`): a method per kind of op that can be, each
+    of their rows (`runtime.row_serving.serve_together`): a method per kind of op that can be, each
     returning whether it served them (`False`: they are served one by one). An op picks its
     method (`Op.serve_group`)."""
 
@@ -59,7 +59,7 @@ class Op:
     #: before anyone else gets them: `kv_blocks`); Save and Lens only read.
     edits: ClassVar[bool] = True
     #: Whether requests running this very op can be served with one read (and one write) per
-    #: run of their rows instead of one per request (`serving.serve_together`).
+    #: run of their rows instead of one per request (`row_serving.serve_together`).
     together: ClassVar[bool] = False
     #: Whether the op saves the value itself (its rows as read: `Save`), whose bytes the server
     #: bounds before the request runs (`saved_rows`).
@@ -81,7 +81,7 @@ class Op:
         """The keys of `outputs[i].saved` the op fills at canonical `location`."""
         return ()
 
-    def keeps(self, prompt_length: int) -> KeepPosition | None:
+    def position_filter(self, prompt_length: int) -> PositionFilter | None:
         """`position -> bool`: which positions the op acts at (`None`: every one)."""
         return None
 
@@ -98,7 +98,7 @@ class Op:
     def shares_rows(self) -> bool:
         """Whether every row of every request running the op is treated alike, so they can be
         served together."""
-        return self.together and self.keeps(0) is None
+        return self.together and self.position_filter(0) is None
 
     def serve(self, visit: Visit) -> None:
         """Run the op on one request's rows at one hook visit."""
@@ -203,7 +203,7 @@ class RowOp(Op):
             return False
         return self.positions is None or any(position >= 0 for position in self.positions)
 
-    def keeps(self, prompt_length: int) -> KeepPosition | None:
+    def position_filter(self, prompt_length: int) -> PositionFilter | None:
         """`position -> bool` for `positions` (negative: from the prompt's end) and `steps`;
         `None` when the op keeps every position."""
         if not self.filtered:
@@ -222,7 +222,7 @@ class RowOp(Op):
             return True
         return keep
 
-    def kept_runs(self, first_position: int, count: int, prompt_length: int
+    def selected_runs(self, first_position: int, count: int, prompt_length: int
                   ) -> list[tuple[int, int]]:
         """The rows `keeps(prompt_length)` keeps of `count` rows from `first_position`, as runs
         `(start, stop)` of row offsets: worked out from `positions` and `steps`, not row by row
@@ -237,7 +237,7 @@ class RowOp(Op):
             return [(low - first_position, high - first_position)] if low < high else []
         return _runs(position - first_position for position in named if low <= position < high)
 
-    def kept_reads(self, visit: Visit) -> list[tuple[int, torch.Tensor]]:
+    def selected_reads(self, visit: Visit) -> list[tuple[int, torch.Tensor]]:
         """`(first position, value)` of each run of the request's rows the op keeps at this
         visit (all of them where it has no filter, or the value no token axis): a `Save` or a
         `Lens` with `positions` then keeps and computes those rows only."""
@@ -246,10 +246,10 @@ class RowOp(Op):
             return [(span.first_position, visit.read())]
         prompt_length = visit.want.step.prompt_length
         if (matching := self.token_rows(visit)) is None:
-            runs = self.kept_runs(span.first_position, len(span), prompt_length)
+            runs = self.selected_runs(span.first_position, len(span), prompt_length)
         else:  # the rows the other filters keep that hold one of the tokens (read on the host)
             positions = span.first_position + torch.arange(len(span))
-            kept = self.kept_rows(positions, torch.full_like(positions, prompt_length))
+            kept = self.selected_rows(positions, torch.full_like(positions, prompt_length))
             runs = _runs(map(int, (kept & matching.cpu()).nonzero().flatten()))
         return [(span.first_position + start, visit.read_rows(start, stop))
                 for start, stop in runs]
@@ -273,7 +273,7 @@ class RowOp(Op):
             for name, result in zip(names, results, strict=True):
                 store.save(program_id, name, first, result, 1)
 
-    def kept_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
+    def selected_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
         """`keeps` for many rows at once: whether the op acts at each row, given each row's
         position and its request's prompt length (int64, one per row)."""
         keep = torch.ones_like(positions, dtype=torch.bool)

@@ -20,7 +20,7 @@ from vllm_runner.ops.checks import (
 )
 
 if TYPE_CHECKING:
-    from vllm_runner.runtime.serving import Visit
+    from vllm_runner.runtime.row_serving import Visit
 
 
 @dataclass(frozen=True)

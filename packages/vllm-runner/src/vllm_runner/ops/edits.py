@@ -27,7 +27,7 @@ from vllm_runner.ops.per_position import (
 from vllm_runner.ops.value_shape import ValueShape
 
 if TYPE_CHECKING:
-    from vllm_runner.runtime.serving import Visit
+    from vllm_runner.runtime.row_serving import Visit
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class EditOp(RowOp):
 
     def shares_rows(self) -> bool:
         """Edits are served together with `positions` and `steps` too: the rows they do not
-        keep are written back as read (`kept_rows`); with `tokens`, request by request."""
+        keep are written back as read (`selected_rows`); with `tokens`, request by request."""
         return self.tokens is None
 
     def serve_group(self, server: GroupServer) -> bool:
@@ -105,7 +105,7 @@ class EditOp(RowOp):
         keep = None
         positions = span.first_position + torch.arange(len(span))
         if axis is not None and self.filtered:  # `positions`, `steps`; `tokens` below
-            keep = self.kept_rows(positions, torch.full_like(positions, prompt_length))
+            keep = self.selected_rows(positions, torch.full_like(positions, prompt_length))
             if not bool(keep.any()):
                 return
         current = visit.read()

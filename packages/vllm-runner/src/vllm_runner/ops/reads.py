@@ -18,7 +18,7 @@ from vllm_runner.ops.checks import (
 from vllm_runner.ops.value_shape import ValueShape
 
 if TYPE_CHECKING:
-    from vllm_runner.runtime.serving import Visit
+    from vllm_runner.runtime.row_serving import Visit
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ class Save(RowOp):
 
     def saved_runs(self, first_position: int, count: int, prompt_length: int
                    ) -> list[tuple[int, int]]:
-        """Every row, or the runs its filters keep (`RowOp.kept_runs`)."""
-        return self.kept_runs(first_position, count, prompt_length) if self.filtered \
+        """Every row, or the runs its filters keep (`RowOp.selected_runs`)."""
+        return self.selected_runs(first_position, count, prompt_length) if self.filtered \
             else [(0, count)]
 
     def serve(self, visit: Visit) -> None:
@@ -79,7 +79,7 @@ class Save(RowOp):
         if not visit.services.keeps_saves:
             return
         store, program_id = visit.services.store, visit.want.program_id
-        reads = self.kept_reads(visit)
+        reads = self.selected_reads(visit)
         if not reads:  # nothing kept this step: no rows, saved once, so that the location
             # comes back (empty where no position it names is ever reached) with its axis
             if store.has_saves(program_id, visit.location) or visit.token_axis is None:
@@ -131,7 +131,7 @@ class Lens(RowOp):
         """Top-k next-token probabilities of the rows, through the model's own final norm and
         logits (every rank computes them: under tensor parallelism the logits are gathered)."""
         found = []
-        for first, rows in self.kept_reads(visit):
+        for first, rows in self.selected_reads(visit):
             probabilities, tokens = visit.services.lens(rows, self.top_k)
             found.append((first, (tokens.unsqueeze(0), probabilities.unsqueeze(0))))
         self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
@@ -210,6 +210,6 @@ class Probe(RowOp):
                              f"axis; {visit.location} is [{layout}]")
         if not visit.services.keeps_saves:  # only rank 0 keeps saves: nothing to compute
             return
-        found = [(first, (self.scores(rows),)) for first, rows in self.kept_reads(visit)]
+        found = [(first, (self.scores(rows),)) for first, rows in self.selected_reads(visit)]
         self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
             torch.empty(1, 0, *self.weight.shape[:-1], device=device),))

@@ -10,7 +10,7 @@ position it runs through, by absolute position. Programmed requests never read t
 cache, so every position runs through the model; preemption recomputes from position 0, and
 a recomputed position replaces what was kept.
 
-Pure torch over plain data, like `serving`: the runtime hands over the request's rows and is
+Pure torch over plain data, like `row_serving`: the runtime hands over the request's rows and is
 given them back with the earlier keys in front of the step's.
 """
 

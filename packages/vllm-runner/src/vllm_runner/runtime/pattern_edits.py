@@ -31,7 +31,7 @@ from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op
 
 if TYPE_CHECKING:
-    from vllm_runner.runtime.serving import Visit
+    from vllm_runner.runtime.row_serving import Visit
 
 #: The value whose rows an edited pattern's output replaces, beside the pattern on its host.
 HEAD_OUTPUTS = "attention_head_outputs"

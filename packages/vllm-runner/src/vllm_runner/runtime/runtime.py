@@ -2,7 +2,7 @@
 
 It takes plain data from the engine adapter (`engine.v1_runner`): the step's `StepLayout` and the
 programs of the scheduled requests, in step order. It imports nothing from vLLM; the jobs are in
-their own modules: `step_plan` (who wants what), `hooks` (where to look), `serving` (the ops on
+their own modules: `step_plan` (who wants what), `hooks` (where to look), `row_serving` (the ops on
 the rows), `store` (what was saved).
 """
 
@@ -22,7 +22,7 @@ from vllm_runner.compiled.graph_steps import GraphStep, GraphSteps
 from vllm_runner.compiled.in_graph import InGraphBuffers, InGraphRows, in_graph_ops, in_graph_value
 from vllm_runner.compiled.opaque_calls import called_inside_opaque_ops, opaque_reason
 from vllm_runner.compiled.repeated_saves import RepeatedSaves
-from vllm_runner.compiled.tap_steering import steered_rows
+from vllm_runner.compiled.tap_edits import steered_rows
 from vllm_runner.compiled.taps import install_taps, serve_taps
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op
@@ -33,7 +33,7 @@ from vllm_runner.runtime.door import GraphNeed
 from vllm_runner.runtime.hooks import EMBEDDINGS, SAMPLER_HOOK, TOKEN_IDS, Hooks, TokenIdsHook
 from vllm_runner.runtime.lens import ModelLens
 from vllm_runner.runtime.pattern_edits import edit_refusal, with_pattern_outputs
-from vllm_runner.runtime.serving import OpGroup, Services, Visits, serve, token_axis_of
+from vllm_runner.runtime.row_serving import OpGroup, Services, Visits, serve, token_axis_of
 from vllm_runner.runtime.sharded import ShardedValues
 from vllm_runner.runtime.step_plan import NO_VISITS, plan_step
 from vllm_runner.saves.collection import Collected, Finished
@@ -575,7 +575,7 @@ class Runtime:
         program = self.programs.known(program_id)
         filters: dict[str, Keep] = {}
         for op in program.ops if program is not None else ():
-            keep = op.keeps(prompt_length)
+            keep = op.position_filter(prompt_length)
             for location in self.locations_of(op):
                 for name in op.saved_names(location):
                     filters[name] = keep

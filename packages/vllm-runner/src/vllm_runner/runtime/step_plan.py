@@ -4,7 +4,7 @@ Built from plain data — the step's `StepLayout` and each scheduled request's d
 by the runtime at the start of every forward that has programs. Requests running the same
 program (the same digest) share one `OpGroup` per op, registered at the op's locations once, so
 the plan grows with the requests plus their programs' locations, not their product; a group is
-then served with one read or one edit (`serving.serve_together`). Within a program, ops at one
+then served with one read or one edit (`row_serving.serve_together`). Within a program, ops at one
 location keep their order.
 """
 
@@ -20,7 +20,7 @@ from vllm_envoys import Step
 from vllm_runner.ops import Op
 from vllm_runner.ops.locations import PER_SAMPLED_ROW
 from vllm_runner.ops.wants import ScheduledRequest, Want
-from vllm_runner.runtime.serving import OpGroup, Visits
+from vllm_runner.runtime.row_serving import OpGroup, Visits
 
 NO_ROWS = StepLayout.from_counts([], [], [])
 NO_VISITS = Visits(NO_ROWS)

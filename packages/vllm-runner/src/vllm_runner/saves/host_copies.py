@@ -85,7 +85,7 @@ class ToHost:
     """Replaces device tensors by host tensors of their own memory, in batches.
 
     Host tensors are left where they are, except slices, which are cloned: a slice of a step
-    read shared by several requests (`serving.serve_together`) would otherwise keep every
+    read shared by several requests (`row_serving.serve_together`) would otherwise keep every
     request's rows alive. A tensor given a `FileFor` has its bytes written into that file
     instead (from the staging buffer for a device tensor) and is replaced by a tensor of its
     dtype and shape on the meta device (no memory); where the file's write fails (shared

@@ -2,7 +2,7 @@
 of once a request at every location.
 
 A group of requests saving at every layer (`Save("layers.*.layer_output")` on 64 requests) is
-read once per run of adjacent rows at each layer (`serving._save_together`); cutting each read
+read once per run of adjacent rows at each layer (`row_serving._save_together`); cutting each read
 into one view and one store entry per request costs a few µs a request at every layer of every
 step: with 30 layers and 64 requests, milliseconds of a step's host time
 (`benchmarks/tap_cost.py`), on a GPU whose piecewise step takes a few ms. Here the step's reads are
@@ -15,7 +15,7 @@ A request's `RecordedRows` stands in its chunk list at each location, from the f
 location was recorded for it, as `PendingRows` do for graph taps; once any of its locations has
 been taken out it takes no more steps, and a new one starts. A step whose joined read failed at
 some location leaves that location out of the step's record (its requests' rows there come from
-their own saves instead, `serving.serve_one`), so a request's rows at a location may have gaps,
+their own saves instead, `row_serving.serve_one`), so a request's rows at a location may have gaps,
 and come out as one chunk per stretch without a gap.
 """
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save
 
 
-class OverBudget(RuntimeError):
+class KeptSavesFull(RuntimeError):
     """Keeping these saves would pass the server's budget; the message says by how much."""
 
 
@@ -41,12 +41,12 @@ class KeptSaves:
         return sum(len(kept.data) for kept in self._kept.values())
 
     def keep(self, saved: Mapping[str, torch.Tensor]) -> tuple[str, int]:
-        """(an id for `saved` as one safetensors file, its size); `OverBudget` if it does not
+        """(an id for `saved` as one safetensors file, its size); `KeptSavesFull` if it does not
         fit beside what is kept."""
         data = save({name: tensor.contiguous() for name, tensor in saved.items()})
         held = self.held_bytes
         if held + len(data) > self.budget_bytes:
-            raise OverBudget(f"saves of {len(data)} bytes do not fit the server's budget for "
+            raise KeptSavesFull(f"saves of {len(data)} bytes do not fit the server's budget for "
                              f"kept saves ({self.budget_bytes} bytes, {held} held by saves not "
                              "fetched yet): fetch or delete those, save fewer values or "
                              "positions, or ask the operator for a larger "

@@ -18,7 +18,7 @@ from vllm_runner.ops import Op, Save
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import unservable
 from vllm_runner.server.json_ops import InterventionInputError, ops_from_json, saves_to_json
-from vllm_runner.server.kept_saves import KeptSaves, OverBudget
+from vllm_runner.server.kept_saves import KeptSaves, KeptSavesFull
 from vllm_runner.server.requests import Plan
 from vllm_runner.server.settings import ServerSettings
 from vllm_runner.server.value_shapes import (
@@ -30,7 +30,7 @@ from vllm_runner.server.value_shapes import (
 from vllm_runner.server.vector_registry import VectorRegistry
 
 
-class OverTheBudget(InterventionInputError):
+class SavesOverBudget(InterventionInputError):
     """A request's saves could not be kept within the server's budget for kept saves: a 507
     (Insufficient Storage), before anything is queued."""
 
@@ -86,7 +86,7 @@ class ServerState:
                           max_tokens: int | None) -> None:
         """Refuse a request whose saves could take more than the operator allows, for its
         prompts as vLLM rendered them: over the per-request limit a 400
-        (`InterventionInputError`), over all that the server keeps a 507 (`OverTheBudget`) where
+        (`InterventionInputError`), over all that the server keeps a 507 (`SavesOverBudget`) where
         the saves would be kept under an id rather than returned."""
         bounds, generated = [], []
         for prompt_length in prompt_lengths:
@@ -107,7 +107,7 @@ class ServerState:
         kept = sum(bound for bound in bounds if plan.saves == "id" or (
             plan.saves == "auto" and bound > self.settings.inline_bytes))
         if kept > self.settings.saves_budget_bytes:
-            raise OverTheBudget("interp_saves", (
+            raise SavesOverBudget("interp_saves", (
                 f"the saves could take {kept / 2**20:.2f} MiB ({prompts}), more than this "
                 f"server keeps for all requests ({self.settings.saves_budget_bytes / 2**20:g} "
                 "MiB, its --interp-saves-budget-mib): ask for them inline "
@@ -176,7 +176,7 @@ class ServerState:
             return result
         try:
             result["saves_id"], result["saves_bytes"] = self.kept.keep(saved)
-        except OverBudget as error:
+        except KeptSavesFull as error:
             result["error"] = str(error)
         return result
 

@@ -26,7 +26,7 @@ from vllm_runner.ops.checks import (
     non_finite_counts,
     non_finite_counts_on_device,
 )
-from vllm_runner.runtime import serving
+from vllm_runner.runtime import row_serving
 from vllm_runner.runtime.hooks import Hooks
 from vllm_runner.runtime.step_plan import NOTHING_PLANNED, plan_step, sampled_rows
 from vllm_runner.saves.store import SaveStore
@@ -123,7 +123,7 @@ def test_requests_served_together_get_what_each_would_alone(counts, data) -> Non
     before = slab(layout.total)
     engine_rows = before.clone()
     used = services()
-    serving.serve(value, engine_rows, plan.tokens, used)
+    row_serving.serve(value, engine_rows, plan.tokens, used)
     expected = before.clone()
     for key in chosen:
         span = layout[key]
@@ -145,7 +145,7 @@ def test_filtered_edits_served_together_equal_each_request_served_alone(
         requests, positions, steps, prompt_length, data) -> None:
     """An `Add` with `positions` and `steps` on a group (one edit per run, the rows it does not
     keep written back as read) equals the same op served request by request (`serve_one`),
-    whatever the rows, first positions and filters; and the rows both keep (`kept_rows`) are
+    whatever the rows, first positions and filters; and the rows both keep (`selected_rows`) are
     those the op's own `keeps(prompt_length)` keeps, position by position (what collection and
     the graph taps use)."""
     layout = layout_of([count for count, _ in requests], [first for _, first in requests])
@@ -161,15 +161,15 @@ def test_filtered_edits_served_together_equal_each_request_served_alone(
     assert served_through("_edit_together", value, together, plan.tokens, services()) == [True]
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     for want in group:
-        serving.serve_one(want, value, alone, layout, 1, services())
+        row_serving.serve_one(want, value, alone, layout, 1, services())
     torch.testing.assert_close(together, alone, rtol=0, atol=0)
     for want in group:
         positions = want.span.positions()
         length = want.step.prompt_length
-        keep = op.keeps(length)
+        keep = op.position_filter(length)
         assert keep is not None or not op.filtered
         expected = [keep is None or keep(position) for position in positions.tolist()]
-        assert op.kept_rows(positions, torch.full_like(positions, length)).tolist() == expected
+        assert op.selected_rows(positions, torch.full_like(positions, length)).tolist() == expected
 
 
 @settings(deadline=None, max_examples=60)
@@ -194,9 +194,9 @@ def test_an_edit_not_finite_on_some_requests_rows_fails_them_alone_served_togeth
     value = residual_value(Toy())
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     results = []
-    with mock.patch.object(serving, "non_finite_counts",
+    with mock.patch.object(row_serving, "non_finite_counts",
                            non_finite_counts_on_device if as_on_a_gpu else non_finite_counts), \
-            mock.patch.object(serving, "finite_on_the_host",
+            mock.patch.object(row_serving, "finite_on_the_host",
                               (lambda edits: False) if as_on_a_gpu else finite_on_the_host):
         for together in (True, False):
             engine_rows, used = slab(layout.total), services()
@@ -205,7 +205,7 @@ def test_an_edit_not_finite_on_some_requests_rows_fails_them_alone_served_togeth
                                       used) == [True]
             else:
                 for want in group:
-                    serving.serve_one(want, value, engine_rows, layout, 1, used)
+                    row_serving.serve_one(want, value, engine_rows, layout, 1, used)
             results.append((engine_rows, {want.request_id: used.store.error(want.program_id)
                                           for want in group}))
     (together_rows, together_errors), (alone_rows, alone_errors) = results
@@ -216,7 +216,7 @@ def test_an_edit_not_finite_on_some_requests_rows_fails_them_alone_served_togeth
     for want in group:
         span, length = want.span, want.step.prompt_length
         rows = expected[span.start:span.stop]
-        keep = op.kept_rows(span.positions(), torch.full((len(span),), length)).view(-1, 1)
+        keep = op.selected_rows(span.positions(), torch.full((len(span),), length)).view(-1, 1)
         scaled = torch.where(keep, rows * 1e37, rows)
         refused = not bool(torch.isfinite(scaled).all())
         assert (together_errors[want.request_id] is not None) is refused
@@ -232,7 +232,7 @@ def test_positions_limit_an_edit_to_the_rows_it_keeps() -> None:
     program = [ops.Scale("layers.0.layer_output", 0.0, positions=(-1,))]  # prompt_length 6
     plan = plan_step(layout, scheduled(layout, program, prompt_length=6), locations_of)
     engine_rows = slab(6)
-    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
+    row_serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
     zeroed = [row for row in range(6) if not engine_rows[row].any()]
     assert zeroed == [3]  # r1's first row holds position 5, the prompt's last
 
@@ -245,7 +245,7 @@ def test_a_failing_request_fails_alone() -> None:
     good = scheduled(layout, [ops.Scale("layers.0.layer_output", 2.0)], digest="good")
     plan = plan_step(layout, [bad[0], good[1]], locations_of)
     engine_rows, used = slab(4), services()
-    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
+    row_serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
     assert used.store.failed("p-r0") and not used.store.failed("p-r1")
     assert (used.store.error("p-r0") or "").startswith("add at layers.0.layer_output: ValueError")
     torch.testing.assert_close(engine_rows[:2], slab(4)[:2])  # nothing written for r0
@@ -263,7 +263,7 @@ def test_a_call_writes_back_what_its_read_mode_says(reads) -> None:
                                                          double_in_place, reads)])[:1],
                      locations_of)
     engine_rows = slab(4)
-    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
+    row_serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
     factor = 1.0 if reads == "copy" else 2.0  # a copy's in-place edits stay in the copy
     torch.testing.assert_close(engine_rows[:2], factor * slab(4)[:2])
     torch.testing.assert_close(engine_rows[2:], slab(4)[2:])
@@ -308,7 +308,7 @@ def test_a_rowwise_call_runs_once_for_its_group_and_equals_each_alone(counts, da
                 if request.request_id in chosen]
     plan = plan_step(layout, requests, locations_of)
     engine_rows = slab(layout.total)
-    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
+    row_serving.serve(residual_value(Toy()), engine_rows, plan.tokens, services())
     expected, positions, prompt_lengths = slab(layout.total), [], []
     for index, key in enumerate(layout.keys):  # slab order
         span = layout[key]
@@ -337,7 +337,7 @@ def test_a_group_acting_at_every_layer_serves_each_location_with_its_own_rows() 
             for row in range(layout[key].start, layout[key].stop)]
     for location in both_layers:
         engine_rows = slab(layout.total)
-        serving.serve(residual_value(Toy(), location.rsplit(".", 1)[0]), engine_rows,
+        row_serving.serve(residual_value(Toy(), location.rsplit(".", 1)[0]), engine_rows,
                       plan.tokens, services())
         want = expected.clone()
         want[kept] = 2 * expected[kept] + 1
@@ -356,7 +356,7 @@ def test_a_rowwise_call_that_fails_on_the_group_fails_only_its_culprit(failure) 
     plan = plan_step(layout, scheduled(layout, [ops.Call("layers.0.layer_output", function,
                                                          rowwise=True)]), locations_of)
     engine_rows, used = slab(6), services()
-    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
+    row_serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
     # together, then alone where the group's call raised
     assert [rows for rows, _, _ in function.calls] == ([6] if failure == "nan" else [6, 2, 2, 2])
     if failure == "nan":
@@ -379,7 +379,7 @@ def test_a_rowwise_call_with_nan_in_a_later_run_of_rows_refuses_that_request_alo
         "layers.0.layer_output", function, rowwise=True)]) if request.request_id in ("r0", "r3")]
     plan = plan_step(layout, requests, locations_of)
     engine_rows, used = slab(8), services()
-    serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
+    row_serving.serve(residual_value(Toy()), engine_rows, plan.tokens, used)
     assert [rows for rows, _, _ in function.calls] == [4]
     assert [used.store.failed(f"p-r{i}") for i in (0, 3)] == [False, True]
     assert "NaN" in (used.store.error("p-r3") or "")
@@ -442,8 +442,8 @@ def test_requests_running_one_lens_share_one_projection_and_each_keeps_its_own(c
     requests = [request for request in scheduled(layout, [ops.Lens("layers.0.layer_output", 2)])
                 if request.request_id in chosen]
     plan = plan_step(layout, requests, locations_of)
-    used = serving.Services(SaveStore(), lens)
-    serving.serve(residual_value(Toy()), slab(layout.total), plan.tokens, used)
+    used = row_serving.Services(SaveStore(), lens)
+    row_serving.serve(residual_value(Toy()), slab(layout.total), plan.tokens, used)
     assert len(projected) == 1
     names = ("layers.0.layer_output.lens_tokens", "layers.0.layer_output.lens_probs")
     found = used.store.collect([(f"p-{key}", 1000, dict.fromkeys(names)) for key in chosen])
@@ -503,7 +503,7 @@ def test_a_request_is_left_out_of_a_step_only_where_none_of_its_ops_keeps_a_row(
     kept = acting(layout, [ScheduledRequest("r0", program, prompt_length)])
     keeps_a_row = any(keep is None or any(keep(position) for position in
                                           range(first, first + count))
-                      for keep in (op.keeps(prompt_length) for op in program.ops))
+                      for keep in (op.position_filter(prompt_length) for op in program.ops))
     if not kept:
         assert not keeps_a_row
     prompt_only = all(steps == "prefill" or (positions is not None and all(
@@ -519,12 +519,12 @@ def test_a_request_is_left_out_of_a_step_only_where_none_of_its_ops_keeps_a_row(
        st.integers(1, 9))
 def test_the_runs_an_op_keeps_are_the_rows_its_keeps_keeps(positions, steps, prompt_length,
                                                            first, count) -> None:
-    """`RowOp.kept_runs`, worked out from `positions` and `steps`, against the op's own
+    """`RowOp.selected_runs`, worked out from `positions` and `steps`, against the op's own
     `keeps` asked row by row: the same rows, as maximal runs in order."""
     op = ops.Save("layers.0.layer_output", positions=positions, steps=steps)
-    keep = op.keeps(prompt_length)
+    keep = op.position_filter(prompt_length)
     rows = [row for row in range(count) if keep is None or keep(first + row)]
-    runs = op.kept_runs(first, count, prompt_length)
+    runs = op.selected_runs(first, count, prompt_length)
     assert [row for start, stop in runs for row in range(start, stop)] == rows
     assert all(stop > start for start, stop in runs)
     assert all(before[1] < after[0] for before, after in pairwise(runs))
@@ -549,12 +549,12 @@ def test_a_save_with_positions_keeps_only_the_rows_it_names(stream) -> None:
     used.store.save_rows = lambda location, axis, owners, values: kept.extend(  # type: ignore[method-assign]
         (owner, tuple(piece.shape)) for owner, piece in zip(owners, values, strict=True)
     ) or save_rows(location, axis, owners, values)
-    serving.serve(value, raw, plan.tokens, used)
+    row_serving.serve(value, raw, plan.tokens, used)
     # r0 positions 2 and 4; r1 (4 of 5 rows) position 2: one gather, three one-row pieces
     assert kept == [(("p-r0", 2), (1, 1, HIDDEN)), (("p-r0", 4), (1, 1, HIDDEN)),
                     (("p-r1", 2), (1, 1, HIDDEN))]
     whole = rows + 1 if stream else rows
-    keep = program[0].keeps(5)
+    keep = program[0].position_filter(5)
     collected = used.store.collect([("p-r0", 5, {"layers.0.layer_output": keep}),
                                     ("p-r1", 4, {"layers.0.layer_output": keep})])
     torch.testing.assert_close(collected["p-r0"]["layers.0.layer_output"],
@@ -593,10 +593,10 @@ def test_a_lens_that_keeps_no_row_saves_its_empty_results_once_where_the_engines
     wanted = scheduled(layout, [op], prompt_length=10)
     (group,) = plan_step(layout, wanted, locations_of).tokens.wants["layers.0.layer_output"]
     store = SavesSeen()
-    used = serving.Services(store, fake_lens)
+    used = row_serving.Services(store, fake_lens)
     for _ in range(2):
-        serving.serve_one(group[0], residual_value(Toy()), slab(layout.total).to("meta"), layout,
-                          1, used)
+        row_serving.serve_one(group[0], residual_value(Toy()), slab(layout.total).to("meta"),
+                              layout, 1, used)
     assert not store.any_failed
     names = op.saved_names("layers.0.layer_output")
     assert store.seen == [(name, torch.device("meta"), 0) for name in names]
@@ -628,15 +628,15 @@ def test_filtered_saves_and_lenses_served_together_equal_each_request_served_alo
     rows = slab(layout.total)
     raw = (rows, rows / 3) if stream else rows
     value = (stream_value if stream else residual_value)(Toy())
-    together, alone = (serving.Services(SaveStore(), fake_lens) for _ in range(2))
-    way = "_save_kept_together" if kind == "save" else "_lens_kept_together"
+    together, alone = (row_serving.Services(SaveStore(), fake_lens) for _ in range(2))
+    way = "_save_selected_together" if kind == "save" else "_lens_selected_together"
     assert served_through(way, value, raw, plan.tokens, together) == [True]
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     for want in group:
-        serving.serve_one(want, value, raw, layout, 1, alone)
+        row_serving.serve_one(want, value, raw, layout, 1, alone)
     names = op.saved_names("layers.0.layer_output")
     collect = [(f"p-{want.request_id}", 100, dict.fromkeys(
-        names, op.keeps(want.step.prompt_length))) for want in group]
+        names, op.position_filter(want.step.prompt_length))) for want in group]
     mine, theirs = together.store.collect(collect), alone.store.collect(collect)
     assert mine.keys() == theirs.keys()
     for program in mine:

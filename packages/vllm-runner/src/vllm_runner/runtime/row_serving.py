@@ -43,8 +43,8 @@ PlannedRead = tuple[RunRead, list[tuple[str, int]]]
 
 
 @dataclass
-class KeptRows:
-    """The rows a group's filtered `Save` keeps this step (`_save_kept_together`), worked out
+class SelectedRows:
+    """The rows a group's filtered `Save` keeps this step (`_save_selected_together`), worked out
     at its first visit: their slab rows (an index, moved to the value's device once), each
     run's owner (program id, first position) and size, and the members that keep none."""
 
@@ -69,7 +69,7 @@ class OpGroup(list[Want]):
         self.record: GroupRecord | None = None
         self.selection: Selection | None = None
         self.prompt_lengths: tuple[int, ...] | None = None
-        self.kept: KeptRows | None = None
+        self.kept: SelectedRows | None = None
 
     def selected(self, layout: StepLayout) -> Selection:
         """The members' rows in `layout` (the step's), made at the first visit."""
@@ -302,7 +302,7 @@ class _Together:
     def save(self, op: Save) -> bool:
         services = self.services
         if op.filtered:
-            return not services.keeps_saves or _save_kept_together(
+            return not services.keeps_saves or _save_selected_together(
                 op, self.value, self.raw, self.members, self.layout, self.token_axis, services)
         return self._every_row_alike(op) and (not services.keeps_saves or _save_together(
             self.value, self.raw, self.members, self.layout, self.token_axis, services.store))
@@ -310,7 +310,7 @@ class _Together:
     def lens(self, op: Lens) -> bool:
         # Every rank projects, filtered or not: the logits are gathered.
         if op.filtered:
-            return _lens_kept_together(op, self.value, self.raw, self.members, self.layout,
+            return _lens_selected_together(op, self.value, self.raw, self.members, self.layout,
                                        self.token_axis, self.services)
         return self._every_row_alike(op) and _lens_together(
             op, self.value, self.raw, self.members, self.layout, self.token_axis, self.services)
@@ -351,15 +351,15 @@ def _save_together(value: Value, raw: Any, members: OpGroup, layout: StepLayout,
     return True
 
 
-def _save_kept_together(op: Save, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
+def _save_selected_together(op: Save, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
                         token_axis: int, services: Services) -> bool:
     """A `Save` with `positions` or `steps` on a group: the rows its members keep
-    (`RowOp.kept_runs`) taken out of the step with one gather, read, and each member's runs
+    (`RowOp.selected_runs`) taken out of the step with one gather, read, and each member's runs
     kept as pieces of that (a probe of the prompt's last token at every layer of 64 requests:
     one gather a layer, not 64 reads); a member that keeps no row is served alone the first
     time (`Save.serve` keeps an empty piece). `False` (the gather or read failed) leaves them
     to `serve_one`."""
-    kept = _group_kept_rows(op, value, members, services.store)
+    kept = _group_selected_rows(op, value, members, services.store)
     if kept is None:
         return False
     if kept.owners:
@@ -373,14 +373,14 @@ def _save_kept_together(op: Save, value: Value, raw: Any, members: OpGroup, layo
     return True
 
 
-def _lens_kept_together(op: Lens, value: Value, raw: Any, members: OpGroup,
+def _lens_selected_together(op: Lens, value: Value, raw: Any, members: OpGroup,
                         layout: StepLayout, token_axis: int, services: Services) -> bool:
     """A `Lens` with `positions` or `steps` on a group (the logit lens at each prompt's last
     token): the rows its members keep taken out of the step with one gather and projected once
     (one pass over the unembedding for all of them, where each request made its own), each
     member's runs kept as pieces of the top-k; a member that keeps no row is served alone the
     first time (its empty results). `False` leaves them to `serve_one`."""
-    kept = _group_kept_rows(op, value, members, services.store)
+    kept = _group_selected_rows(op, value, members, services.store)
     if kept is None:
         return False
     tokens_name, probabilities_name = op.saved_names(value.location)
@@ -398,19 +398,19 @@ def _lens_kept_together(op: Lens, value: Value, raw: Any, members: OpGroup,
     return True
 
 
-def _group_kept_rows(op: RowOp, value: Value, members: OpGroup, store: SaveStore
-                     ) -> KeptRows | None:
+def _group_selected_rows(op: RowOp, value: Value, members: OpGroup, store: SaveStore
+                     ) -> SelectedRows | None:
     """The rows a group's filtered op keeps this step, worked out at its first visit (`None`
     where the value is not served at every step alike)."""
     if not _served_at_every_step(value, members):
         return None
     if members.kept is None:
-        members.kept = _kept_rows(op, [want for want in members
+        members.kept = _selected_rows(op, [want for want in members
                                        if not passed_over(want, value, store.failed_so_far)])
     return members.kept
 
 
-def _read_kept(value: Value, raw: Any, members: OpGroup, kept: KeptRows,
+def _read_kept(value: Value, raw: Any, members: OpGroup, kept: SelectedRows,
                layout: StepLayout) -> torch.Tensor:
     """The value at the rows `kept` (one gather of each of the hook's tensors, then the read)."""
     if kept.index.device != (device := _device_of(raw)):
@@ -418,7 +418,7 @@ def _read_kept(value: Value, raw: Any, members: OpGroup, kept: KeptRows,
     return value.read(_rows_of(raw, kept.index, layout), members[0].step)
 
 
-def _serve_keeping_none(kept: KeptRows, name: str, value: Value, raw: Any, layout: StepLayout,
+def _serve_keeping_none(kept: SelectedRows, name: str, value: Value, raw: Any, layout: StepLayout,
                         token_axis: int, services: Services) -> None:
     """The members that keep no row this step served alone until they have saved under `name`
     (their op keeps one empty piece, so the name comes back; with nothing kept there is
@@ -430,22 +430,22 @@ def _serve_keeping_none(kept: KeptRows, name: str, value: Value, raw: Any, layou
             serve_one(want, value, raw, layout, token_axis, services)
 
 
-def _kept_rows(op: RowOp, wants: list[Want]) -> KeptRows:
-    """`KeptRows` of `wants` running `op`."""
+def _selected_rows(op: RowOp, wants: list[Want]) -> SelectedRows:
+    """`SelectedRows` of `wants` running `op`."""
     firsts: list[int] = []  # each run's first slab row
     owners: list[tuple[str, int]] = []
     sizes: list[int] = []
     keep_none = []
     for want in wants:
         span = want.span
-        runs = op.kept_runs(span.first_position, len(span), want.step.prompt_length)
+        runs = op.selected_runs(span.first_position, len(span), want.step.prompt_length)
         if not runs:
             keep_none.append(want)
         for start, stop in runs:
             firsts.append(span.start + start)
             owners.append((want.program_id, span.first_position + start))
             sizes.append(stop - start)
-    return KeptRows(torch.from_numpy(row_index(firsts, sizes)), owners, sizes, keep_none)
+    return SelectedRows(torch.from_numpy(row_index(firsts, sizes)), owners, sizes, keep_none)
 
 
 def _device_of(raw: Any) -> torch.device:
@@ -543,7 +543,7 @@ def _edit_together(op: EditOp, value: Value, raw: Any, members: OpGroup, layout:
     selection = members.selected(layout)
     kept = None
     if op.filtered:
-        kept = op.kept_rows(selection.positions, selection.per_row(
+        kept = op.selected_rows(selection.positions, selection.per_row(
             torch.tensor(members.selected_prompt_lengths(layout), dtype=torch.long)))
     what = f"the {op.kind}"
     edited_runs: list[tuple[int, Span, Any, torch.Tensor]] = []  # run's index, rows, edit

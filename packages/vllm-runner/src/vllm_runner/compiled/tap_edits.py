@@ -261,5 +261,5 @@ def steered_rows(value: Value, groups: Iterable[Iterable[Want]],
         span = want.span
         steered.append(SteeredRows(span.start, span.stop, span.first_position,
                                    vectors.vector(tuple(adds)),
-                                   adds[0].keeps(want.step.prompt_length)))
+                                   adds[0].position_filter(want.step.prompt_length)))
     return steered
