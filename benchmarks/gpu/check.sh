@@ -36,8 +36,15 @@ set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 root=$(pwd)
-export PYTHONPATH=/tmp/site:$root/packages/tokenspan/src:$root/packages/tpfragments/src:$root/packages/vllm-envoys/src:$root/packages/vllm-runner/src
+# CuTe DSL (vLLM 0.34) puts its `cutlass` package on the path with a .pth file, which Python reads
+# only in site-packages, not in a PYTHONPATH folder: its folder is named here instead.
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$root/packages/tokenspan/src:$root/packages/tpfragments/src:$root/packages/vllm-envoys/src:$root/packages/vllm-runner/src
 export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
+# Where the staged CuTe DSL lacks its `cutlass` package, vLLM 0.34's MiniMax-M3 warmup (a no-op
+# for other models) is stubbed: no_cutedsl/sitecustomize.py says why.
+if [ -d /tmp/site/nvidia_cutlass_dsl ] && [ ! -f /tmp/site/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py ]; then
+  export PYTHONPATH=$root/benchmarks/gpu/no_cutedsl:$PYTHONPATH
+fi
 # vLLM 0.33's torch wants cuDNN 9.24, the image has 9.19 (../shared/gpu/README.md); no hub here.
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 python=python3
@@ -47,6 +54,11 @@ install() {
     # vLLM 0.34's extra wheels (benchmarks/gpu/stage-0.34-extra.sh), a tar of their own.
     (cd /tmp/stage && if ls xpart* > /dev/null 2>&1; then cat xpart* | tar x -C w; fi) &&
     $python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/w/*.whl &&
+    # CuTe DSL's three wheels share one top-level folder, which `pip install --target` fills from
+    # the first wheel only (it skips a folder that exists): unpacked over it, they all land.
+    for wheel in /tmp/stage/w/nvidia_cutlass_dsl*.whl; do
+      if [ -e "$wheel" ]; then $python -m zipfile -e "$wheel" /tmp/site; fi
+    done &&
     $python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" &&
     install_ours
 }

@@ -20,8 +20,9 @@ TOLERANCE = 1e-4
 
 
 def probe_scores(value, ctx):
-    """A user's probe: three scores per token, from the rows it is handed."""
-    return value.float() @ WEIGHT.T + BIAS
+    """A user's probe: three scores per token, from the rows it is handed (on the engine's
+    device, as a user's function moves its own weights there)."""
+    return value.float() @ WEIGHT.T.to(value.device) + BIAS.to(value.device)
 
 
 def norms_and_scores(value, ctx):
