@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from vllm import SamplingParams
+
 from vllm_runner.ops import Op
 from vllm_runner.ops.program import attach_program, encode_ops, program_digest, salted
 from vllm_runner.saves.collection import Finished, finished_request
@@ -35,7 +37,7 @@ class Submission:
         data = encode_ops(ops)
         return cls(data, program_digest(data), ops=list(ops), **fields)
 
-    def attach(self, params: Any) -> str:
+    def attach(self, params: SamplingParams) -> str:
         """Give one engine request's `SamplingParams` a program of its own (kept off cached
         prompt blocks: the program must see every prompt row); returns its program id."""
         program_id = attach_program(params, self.ops_data, self.digest)

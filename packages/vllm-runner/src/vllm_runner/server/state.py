@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import Request
 from vllm import SamplingParams
+from vllm.engine.protocol import EngineClient
 
 from vllm_runner.client.collection import collect_async
 from vllm_runner.ops import Op, Save
@@ -41,7 +42,7 @@ class ServerState:
     """What the routes share: the engine, the model's limits, the operator's settings, the
     vector registry, resolved locations."""
 
-    def __init__(self, engine_client: Any, settings: ServerSettings) -> None:
+    def __init__(self, engine_client: EngineClient, settings: ServerSettings) -> None:
         self.engine = engine_client
         self.settings = settings
         self.vectors = VectorRegistry(settings.vectors)
