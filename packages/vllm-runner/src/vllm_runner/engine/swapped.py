@@ -1,5 +1,5 @@
 """One method of one vLLM object replaced for the length of a block: how both engine adapters
-steer a CUDA-graph dispatch for a single step without touching vLLM's classes."""
+change a CUDA-graph dispatch for a single step without touching vLLM's classes."""
 
 from __future__ import annotations
 
