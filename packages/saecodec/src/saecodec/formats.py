@@ -1,0 +1,118 @@
+"""Loading an SAE from its files on disk into one `SAE`.
+
+SAELens's native format: a folder with `cfg.json` (its `architecture`, `d_in`, `d_sae`,
+`dtype`, `apply_b_dec_to_input`, `normalize_activations`, `k` for TopK, and the site as
+`hook_name` / `hf_hook_name`, top-level or under `metadata` as SAELens 6 writes them) and
+`sae_weights.safetensors` (`W_enc [d_in, d_sae]`, `b_enc`, `W_dec [d_sae, d_in]`, `b_dec`, and
+`threshold` for JumpReLU). Every failure names the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from saecodec.errors import SAEFormatError
+from saecodec.sae import ARCHITECTURES, SAE, Site
+
+CONFIG = "cfg.json"
+WEIGHTS = "sae_weights.safetensors"
+#: Activation normalisations that leave the input as it is (others are refused by name).
+PLAIN_NORMALISATIONS = (None, "none")
+
+
+def load(path: str | Path) -> SAE:
+    """The SAE in folder `path` (SAELens native: `cfg.json` + `sae_weights.safetensors`)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise SAEFormatError(folder, "is not a folder holding an SAE (cfg.json and "
+                                     "sae_weights.safetensors)")
+    config = _config(folder / CONFIG)
+    architecture = _field(config, "architecture", folder / CONFIG, default="standard")
+    if architecture not in ARCHITECTURES:
+        raise SAEFormatError(folder / CONFIG, f"architecture {architecture!r} is not loaded "
+                             f"here (known: {', '.join(ARCHITECTURES)})", "architecture")
+    normalisation = config.get("normalize_activations")
+    if normalisation not in PLAIN_NORMALISATIONS:
+        raise SAEFormatError(folder / CONFIG, f"normalize_activations {normalisation!r} is not "
+                             "supported yet: only SAEs trained on raw activations ('none')",
+                             "normalize_activations")
+    for key, plain in (("reshape_activations", (None, "none")),
+                       ("rescale_acts_by_decoder_norm", (None, False))):
+        if config.get(key) not in plain:
+            raise SAEFormatError(folder / CONFIG, f"{key}={config.get(key)!r} is not "
+                                 "supported yet", key)
+    names = ["W_enc", "b_enc", "W_dec", "b_dec"] + (
+        ["threshold"] if architecture == "jumprelu" else [])
+    tensors = _tensors(folder / WEIGHTS, names)
+    dtype = _dtype(config.get("dtype"), folder / CONFIG)
+    if dtype is not None:
+        tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
+    d_in, d_sae = (int(size) for size in tensors["W_enc"].shape)
+    for key, size in (("d_in", d_in), ("d_sae", d_sae)):
+        if key in config and int(config[key]) != size:
+            raise SAEFormatError(folder / CONFIG, f"says {key}={config[key]}, but W_enc in "
+                                 f"{WEIGHTS} is [{d_in}, {d_sae}]", key)
+    found = config.get("metadata")
+    metadata: dict[str, Any] = found if isinstance(found, dict) else {}
+    site = Site(hook_name=config.get("hook_name") or metadata.get("hook_name"),
+                hf_hook_name=config.get("hf_hook_name") or metadata.get("hf_hook_name"))
+    k = _field(config, "k", folder / CONFIG) if architecture == "topk" else None
+    try:
+        return SAE(architecture, tensors["W_enc"], tensors["b_enc"], tensors["W_dec"],
+                   tensors["b_dec"], threshold=tensors.get("threshold"),
+                   k=None if k is None else int(k),
+                   apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", False)),
+                   site=site)
+    except ValueError as error:
+        raise SAEFormatError(folder, str(error)) from None
+
+
+def _config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SAEFormatError(path, "is missing") from None
+    except (OSError, ValueError) as error:
+        raise SAEFormatError(path, f"is not readable JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise SAEFormatError(path, "holds no JSON object")
+    return config
+
+
+def _field(config: dict[str, Any], key: str, path: Path, default: Any = None) -> Any:
+    value = config.get(key, default)
+    if value is None:
+        raise SAEFormatError(path, "has no value", key)
+    return value
+
+
+def _dtype(name: Any, path: Path) -> torch.dtype | None:
+    """`"float32"` or `"torch.float32"` as a torch dtype; `None` (keep the file's) if unset."""
+    if name is None:
+        return None
+    found = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise SAEFormatError(path, f"dtype {name!r} is not a torch dtype", "dtype")
+    return found
+
+
+def _tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise SAEFormatError(path, "is missing")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            present = set(handle.keys())
+            for name in names:
+                if name not in present:
+                    raise SAEFormatError(path, f"has no tensor {name!r} (it holds "
+                                         f"{', '.join(sorted(present)) or 'none'})", name)
+            return {name: handle.get_tensor(name) for name in names}
+    except SAEFormatError:
+        raise
+    except Exception as error:  # a truncated or foreign file: safetensors says why
+        raise SAEFormatError(path, f"is not a readable safetensors file ({error})") from None
