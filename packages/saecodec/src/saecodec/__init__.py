@@ -3,6 +3,8 @@
 
 from saecodec.errors import SAEFormatError
 from saecodec.sae import ARCHITECTURES, SAE, Site
+from saecodec.sites import SITE_NAMES, site_location, standard_location
 from saecodec.sparse import SparseFeatures
 
-__all__ = ["ARCHITECTURES", "SAE", "SAEFormatError", "Site", "SparseFeatures"]
+__all__ = ["ARCHITECTURES", "SAE", "SITE_NAMES", "SAEFormatError", "Site", "SparseFeatures",
+           "site_location", "standard_location"]
