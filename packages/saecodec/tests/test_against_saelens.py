@@ -49,3 +49,16 @@ def test_an_sae_saelens_saved_encodes_and_decodes_as_saelens_does(
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.error(x), x - theirs(x),  # type: ignore[operator]
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+def test_an_sae_saved_here_loads_in_saelens_and_encodes_alike(tmp_path: Path,
+                                                            architecture: str) -> None:
+    theirs = saelens_sae(architecture, apply_b_dec_to_input=True, seed=11)
+    theirs.save_model(tmp_path / "theirs")  # type: ignore[attr-defined]
+    SAE.load(tmp_path / "theirs").save(tmp_path / "ours")
+    again = sae_lens.SAE.load_from_disk(tmp_path / "ours")
+    assert type(again) is type(theirs)
+    x = torch.randn(4, D_IN, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(again.encode(x), theirs.encode(x))  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""Loading an SAE from its files on disk into one `SAE`.
+"""Loading an SAE from its files on disk into one `SAE`, and writing one.
 
 SAELens's native format: a folder with `cfg.json` (its `architecture`, `d_in`, `d_sae`,
 `dtype`, `apply_b_dec_to_input`, `normalize_activations`, `k` for TopK, and the site as
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from saecodec.errors import SAEFormatError
 from saecodec.sae import ARCHITECTURES, SAE, Site
@@ -70,6 +71,29 @@ def load(path: str | Path) -> SAE:
                    site=site)
     except ValueError as error:
         raise SAEFormatError(folder, str(error)) from None
+
+
+def save(sae: SAE, path: str | Path) -> None:
+    """`sae` as a folder in SAELens's native format, in the layout SAELens 6 writes."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "architecture": sae.architecture, "d_in": sae.d_in, "d_sae": sae.d_sae,
+        "dtype": str(sae.dtype).removeprefix("torch."), "device": "cpu",
+        "apply_b_dec_to_input": sae.apply_b_dec_to_input, "normalize_activations": "none",
+        "reshape_activations": "none",
+        "metadata": {key: value for key, value in (("hook_name", sae.site.hook_name),
+                                                   ("hf_hook_name", sae.site.hf_hook_name))
+                     if value is not None}}
+    if sae.k is not None:
+        config["k"] = sae.k
+        config["rescale_acts_by_decoder_norm"] = False
+    tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
+    if sae.threshold is not None:
+        tensors["threshold"] = sae.threshold
+    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
+              str(folder / WEIGHTS))
+    (folder / CONFIG).write_text(json.dumps(config, indent=2))
 
 
 def _config(path: Path) -> dict[str, Any]:

@@ -70,6 +70,13 @@ class SAE:
 
         return load(path)
 
+    def save(self, path: str | Path) -> None:
+        """Write folder `path` in SAELens's native format (`cfg.json` +
+        `sae_weights.safetensors`), which `SAE.load` and SAELens's `SAE.load_from_disk` read."""
+        from saecodec.formats import save
+
+        save(self, path)
+
     @property
     def d_in(self) -> int:
         """The width of the activations it reads."""
