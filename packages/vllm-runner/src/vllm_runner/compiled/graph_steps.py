@@ -22,7 +22,6 @@ from vllm_runner.compiled.in_graph import InGraphRows, in_graph_ops
 from vllm_runner.compiled.tap_edits import RowTable
 from vllm_runner.compiled.tap_saves import SaveRing
 from vllm_runner.ops import Add, Op, ProjectOut
-from vllm_runner.ops.graph_ops import GraphOps
 from vllm_runner.ops.program import Program
 from vllm_runner.ops.wants import ScheduledRequest
 
@@ -101,8 +100,8 @@ class GraphSteps:
             # by the general plan's serving (`ops.wants.passed_over`).
             if self._values[location].eproperty.unavailable is not None:
                 return None
-            split = GraphOps.of(ops)
-            if split is None or not in_graph_ops(ops, self._in_graph[location].width):
+            split = in_graph_ops(ops, self._in_graph[location].width)
+            if split is None:
                 return None
             adds, ablations = split.adds, split.ablations
             if any(op.position_filter(1) is not None for op in (*adds, *ablations)):

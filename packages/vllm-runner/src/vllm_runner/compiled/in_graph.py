@@ -50,23 +50,26 @@ def _one_row(vector: torch.Tensor, width: int) -> bool:
     return not shape or shape == [width]
 
 
-def in_graph_ops(ops: Iterable[Op], width: int) -> bool:
-    """Whether a program's `ops` at one location (in program order) can all run inside the
-    graph: at most one `ProjectOut`, then `Add`s, then `Save`s, every vector one row's, and no
-    more than one `Add` if any keeps only some positions."""
+def in_graph_ops(ops: Iterable[Op], width: int) -> GraphOps | None:
+    """A program's `ops` at one location (in program order) split as the graph runs them, if
+    they can all run inside it (at most one `ProjectOut`, then `Add`s, then `Save`s, every
+    vector one row's, and no more than one `Add` if any keeps only some positions); else
+    `None`."""
     ops = list(ops)
     if any(getattr(op, "tokens", None) is not None for op in ops):
-        return False  # a token filter needs the step's token ids: the module tree
+        return None  # a token filter needs the step's token ids: the module tree
     split = GraphOps.of(ops)
     if split is None:
-        return False  # another op, or these in another order (a `Save` before an `Add`)
+        return None  # another op, or these in another order (a `Save` before an `Add`)
     ablations, adds = split.ablations, split.adds
     if len(ablations) > 1 or not all(tuple(op.direction.shape) == (width,) for op in ablations):
-        return False  # one `[hidden]` direction a row (as the tap's Python takes it): two in
+        return None  # one `[hidden]` direction a row (as the tap's Python takes it): two in
         # turn are not one projection
     if not all(_one_row(op.vector, width) for op in adds):
-        return False
-    return len(adds) <= 1 or all(op.position_filter(1) is None for op in adds)
+        return None
+    if len(adds) > 1 and any(op.position_filter(1) is not None for op in adds):
+        return None
+    return split
 
 
 class InGraphRows:

@@ -389,7 +389,8 @@ class Runtime:
         if known is None:
             rows = self.in_graph.get(location)
             known = self._in_graph_known[key] = rows is not None and in_graph_ops(
-                [op for op in program.ops if location in self.locations_of(op)], rows.width)
+                [op for op in program.ops if location in self.locations_of(op)],
+                rows.width) is not None
         return known
 
     def begin_step(self, layout: StepLayout, requests: Sequence[ScheduledRequest],
