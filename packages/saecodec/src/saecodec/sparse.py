@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from saecodec.errors import SAEFormatError
 
@@ -87,12 +88,10 @@ class SparseFeatures:
     @classmethod
     def load(cls, path: str | Path) -> SparseFeatures:
         """What `save` wrote to `path`; a file it did not write is refused by name."""
-        from safetensors import safe_open
-
         try:
-            with safe_open(str(path), framework="pt") as handle:
+            with safe_open(str(path), framework="pt") as handle:  # read once: names and all
                 metadata = handle.metadata() or {}
-            tensors = load_file(str(path))
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
         except Exception as error:
             raise SAEFormatError(path, f"is not a readable safetensors file ({error})") from None
         if _META not in metadata:
