@@ -54,11 +54,6 @@ install() {
     # vLLM 0.34's extra wheels (benchmarks/gpu/stage-0.34-extra.sh), a tar of their own.
     (cd /tmp/stage && if ls xpart* > /dev/null 2>&1; then cat xpart* | tar x -C w; fi) &&
     $python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/stage/w/*.whl &&
-    # CuTe DSL's three wheels share one top-level folder, which `pip install --target` fills from
-    # the first wheel only (it skips a folder that exists): unpacked over it, they all land.
-    for wheel in /tmp/stage/w/nvidia_cutlass_dsl*.whl; do
-      if [ -e "$wheel" ]; then $python -m zipfile -e "$wheel" /tmp/site; fi
-    done &&
     $python -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" &&
     install_ours
 }
