@@ -100,6 +100,8 @@ def worst_error(eager: dict, compiled: dict) -> tuple[float, str]:
         found.append((float(difference.max()) / scale, location))
     if mismatched:
         return float("inf"), f"shapes differ at {'; '.join(mismatched)}"
+    if not found:
+        return float("inf"), "the eager engine saved nothing"
     return max(found)
 
 

@@ -245,6 +245,12 @@ CASES = [
     FamilyCase("olmoe", llama_shaped(OlmoeConfig, num_experts=4, num_experts_per_tok=2,
                                      pad_token_id=0),
                OlmoeForCausalLM, moe_layers=frozenset({0, 1, 2})),
+    # OLMoE on the Transformers backend, where vLLM 0.34 serves it (0.32 and 0.33 run their own
+    # olmoe.py, the case above): forced there, its MoE block fused into vLLM's runner.
+    FamilyCase("olmoe-on-transformers-backend",
+               llama_shaped(OlmoeConfig, num_experts=4, num_experts_per_tok=2, pad_token_id=0),
+               OlmoeForCausalLM, moe_layers=frozenset({0, 1, 2}),
+               engine=(("model_impl", "transformers"),), family="OlmoeOnBackend"),
     # vLLM 0.32 runs OLMo 2 through its Transformers backend.
     FamilyCase("olmo2", llama_shaped(Olmo2Config, pad_token_id=0), Olmo2ForCausalLM,
                POST_NORMS, unavailable=BACKEND_UNAVAILABLE),

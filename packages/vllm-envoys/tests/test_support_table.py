@@ -23,8 +23,10 @@ def test_table_reflects_declared_reasons() -> None:
     # Every family but DeepSeek's latent attention serves queries; on the Transformers backend,
     # wherever attention is not MLA.
     assert rows["attention_queries"].count("✗") == 1
-    assert rows["attention_queries"].count("✓ (not MLA)") == 2  # olmo2, the generic family
-    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2"}
+    # olmo2 and olmoe there, and the generic family
+    assert rows["attention_queries"].count("✓ (not MLA)") == 3
+    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2",
+           "olmoe (Transformers backend)"}
     assert rows["router_logits"].count("✓") == len(moe)
     assert {name for name, family in families() if family.mixture_of_experts} == moe
     assert rows["layer_mid"].count("✗") == 1  # Cohere's parallel block

@@ -75,7 +75,7 @@ def test_unknown_location_suggests_close_names(harness) -> None:
 def test_registry() -> None:
     assert lookup("llama").__name__ == "Llama" and lookup("mistral") is lookup("llama")
     assert {"llama", "qwen2", "qwen3", "phi3", "gpt2", "gemma2"} <= set(known())
-    assert set(known("transformers")) == {"olmo2"}
+    assert set(known("transformers")) == {"olmo2", "olmoe"}
     assert lookup("olmo2", "transformers").__name__ == "Olmo2"
     # Anything on the Transformers backend without a family gets the generic one...
     assert lookup("llama", "transformers").__name__ == "TransformersBackend"

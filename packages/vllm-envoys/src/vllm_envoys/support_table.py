@@ -40,9 +40,11 @@ def _values(family: type[Family]) -> dict[str, EProperty]:
 def families() -> list[tuple[str, type[Family]]]:
     """Every shipped family, by name: vLLM's model code first, then the Transformers backend."""
     seen: dict[type[Family], str] = {}
-    for backend in ("vllm", "transformers"):
-        for model_type, family in known(backend).items():
-            seen.setdefault(family, model_type)
+    for model_type, family in known("vllm").items():
+        seen.setdefault(family, model_type)
+    # A model type can be on both (OLMoE: vLLM's own code until 0.33, the backend from 0.34).
+    for model_type, family in known("transformers").items():
+        seen.setdefault(family, f"{model_type} (Transformers backend)")
     seen.setdefault(TransformersBackend, "generic (Transformers backend)")
     return [(name, family) for family, name in seen.items()]
 

@@ -17,7 +17,7 @@ from vllm_envoys.backend_attention import VLLM_ATTENTION_LAYER, is_latent
 from vllm_envoys.codecs import Rows
 from vllm_envoys.eproperty import EProperty, Step, unavailable
 from vllm_envoys.family import Family
-from vllm_envoys.hosts import Attention, GatedMlp, Layer, Model
+from vllm_envoys.hosts import Attention, GatedMlp, Layer, Model, Moe
 from vllm_envoys.node import Node, module_from
 from vllm_envoys.sites import Arguments, FirstOutput
 
@@ -68,6 +68,17 @@ class BackendMlp(GatedMlp):
     mlp_output = EProperty(FirstOutput(), BATCHED, layouts.RESIDUAL, "the MLP's contribution")
 
 
+class BackendMoe(Moe):
+    """transformers' mixture-of-experts block whose gate and experts vLLM fused (vLLM 0.34 runs
+    OLMoE this way): the block keeps the backend's batch axis, while the gate, called by vLLM's
+    MoE runner on the flattened stream, gives `[tokens, experts]` router logits as on vLLM's own
+    model code."""
+
+    mlp_input = EProperty(Arguments(("hidden_states", 0)), BATCHED, layouts.RESIDUAL,
+                          "the normed stream entering the MLP")
+    mlp_output = EProperty(FirstOutput(), BATCHED, layouts.RESIDUAL, "the MLP's contribution")
+
+
 class BackendLayer(Layer):
     """transformers' decoder layer: takes and returns the whole stream, `[1, tokens, hidden]`.
 
@@ -78,6 +89,7 @@ class BackendLayer(Layer):
 
     Attention = BackendAttention
     Mlp = BackendMlp
+    Moe = BackendMoe
 
     layer_input = EProperty(Arguments(("hidden_states", 0)), BATCHED, layouts.RESIDUAL,
                             "the residual stream entering the block")
