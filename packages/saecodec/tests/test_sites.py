@@ -19,6 +19,12 @@ from saecodec.sites import SITE_NAMES, site_location, standard_location
     ("model.layers.5.self_attn.o_proj.input", "layers.5.attention_head_outputs"),
     ("model.layers.5.mlp.down_proj.input", "layers.5.mlp_neurons"),
     ("model.layers.20.input", "layers.20.layer_input"),
+    ("layers.6", "layers.6.layer_output"),  # sparsify's hookpoints, under the base model
+    ("layers.6.mlp", "layers.6.mlp_output"),
+    ("layers.6.self_attn", "layers.6.attention_output"),
+    ("layers.6.attention", "layers.6.attention_output"),
+    ("h.6", "layers.6.layer_output"),
+    ("h.6.mlp.act", "layers.6.mlp_neurons"),
 ])
 def test_each_spelling_maps_to_its_standard_location(name: str, location: str) -> None:
     assert standard_location(name) == location
@@ -26,7 +32,8 @@ def test_each_spelling_maps_to_its_standard_location(name: str, location: str) -
 
 @pytest.mark.parametrize("name", [
     "blocks.12.hook_resid_post.extra", "model.layers.5.post_feedforward_layernorm.output",
-    "blocks.x.hook_resid_post", "model.layers.12.outputs", "hook_resid_post", ""])
+    "blocks.x.hook_resid_post", "model.layers.12.outputs", "hook_resid_post", "",
+    "embed_tokens", "layers.6.mlp.act_fn", "layers", "h.6.ln_1"])
 def test_a_site_outside_the_table_has_no_location(name: str) -> None:
     assert standard_location(name) is None
 

@@ -64,11 +64,14 @@ class SAE:
             raise ValueError(f"k goes with the topk architecture, not {self.architecture}")
 
     @classmethod
-    def load(cls, path: str | Path) -> SAE:
-        """The SAE in folder `path` (see `saecodec.formats` for the formats it reads)."""
+    def load(cls, path: str | Path, site: Site | None = None) -> SAE:
+        """The SAE at `path`, in whichever format its files are (SAELens native, Gemma Scope's
+        `.npz`, Gemma Scope 2, Llama Scope, sparsify: see `saecodec.formats`). `site` names
+        the site where the files name none (Gemma Scope's `.npz`), and must agree with any
+        they do name."""
         from saecodec.formats import load
 
-        return load(path)
+        return load(path, site)
 
     def save(self, path: str | Path) -> None:
         """Write folder `path` in SAELens's native format (`cfg.json` +

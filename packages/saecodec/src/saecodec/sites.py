@@ -1,6 +1,7 @@
 """Where an SAE reads, in nnterp's standard names: the site its files name, in TransformerLens's
-hook names (`blocks.12.hook_resid_post`) or the HF model's module paths
-(`model.layers.12.output`), as a location `layers.12.layer_output`.
+hook names (`blocks.12.hook_resid_post`), the HF model's module paths
+(`model.layers.12.output`) or sparsify's hookpoints (`layers.12`, a module path under the base
+model), as a location `layers.12.layer_output`.
 
 One table (`SITE_NAMES`) holds every mapping; a site it does not hold has no standard location
 (`standard_location` gives `None`), and an engine refuses such an SAE by name rather than guess.
@@ -35,6 +36,17 @@ SITE_NAMES: tuple[tuple[str, str], ...] = (
     ("model.layers.{L}.mlp.down_proj.input", "layers.{L}.mlp_neurons"),
     ("model.layers.{L}.mlp.output", "layers.{L}.mlp_output"),
     ("model.layers.{L}.mlp.down_proj.output", "layers.{L}.mlp_output"),
+    # EleutherAI sparsify's hookpoints: module paths under the HF model's base model, named by
+    # the module whose output the SAE reads (`layers.6` is `model.layers.6` in a Llama, and
+    # `gpt_neox.layers.6` in a Pythia; GPT-2's blocks are `h.6`).
+    ("layers.{L}", "layers.{L}.layer_output"),
+    ("layers.{L}.self_attn", "layers.{L}.attention_output"),
+    ("layers.{L}.attention", "layers.{L}.attention_output"),
+    ("layers.{L}.mlp", "layers.{L}.mlp_output"),
+    ("h.{L}", "layers.{L}.layer_output"),
+    ("h.{L}.attn", "layers.{L}.attention_output"),
+    ("h.{L}.mlp", "layers.{L}.mlp_output"),
+    ("h.{L}.mlp.act", "layers.{L}.mlp_neurons"),
 )
 
 _PATTERNS = tuple((re.compile(re.escape(site).replace(r"\{L\}", r"(\d+)") + r"\Z"), location)

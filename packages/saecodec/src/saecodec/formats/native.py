@@ -1,10 +1,11 @@
-"""Loading an SAE from its files on disk into one `SAE`, and writing one.
+"""SAELens's native format, read and written.
 
-SAELens's native format: a folder with `cfg.json` (its `architecture`, `d_in`, `d_sae`,
-`dtype`, `apply_b_dec_to_input`, `normalize_activations`, `k` for TopK, and the site as
-`hook_name` / `hf_hook_name`, top-level or under `metadata` as SAELens 6 writes them) and
+A folder with `cfg.json` (its `architecture`, `d_in`, `d_sae`, `dtype`,
+`apply_b_dec_to_input`, `normalize_activations`, `k` for TopK, and the site as `hook_name` /
+`hf_hook_name`, top-level or under `metadata` as SAELens 6 writes them) and
 `sae_weights.safetensors` (`W_enc [d_in, d_sae]`, `b_enc`, `W_dec [d_sae, d_in]`, `b_dec`, and
-`threshold` for JumpReLU). Every failure names the file and the key.
+`threshold` for JumpReLU). Loaded in the config's `dtype`. Every failure names the file and the
+key.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from saecodec.errors import SAEFormatError
+from saecodec.formats._files import build, field, read_json, read_safetensors, settle_site
 from saecodec.sae import ARCHITECTURES, SAE, Site
 
 CONFIG = "cfg.json"
@@ -26,14 +27,15 @@ WEIGHTS = "sae_weights.safetensors"
 PLAIN_NORMALISATIONS = (None, "none")
 
 
-def load(path: str | Path) -> SAE:
-    """The SAE in folder `path` (SAELens native: `cfg.json` + `sae_weights.safetensors`)."""
+def load(path: str | Path, site: Site | None = None) -> SAE:
+    """The SAE in folder `path` (SAELens native: `cfg.json` + `sae_weights.safetensors`);
+    `site` completes the site `cfg.json` names (see `saecodec.formats.load`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise SAEFormatError(folder, "is not a folder holding an SAE (cfg.json and "
                                      "sae_weights.safetensors)")
-    config = _config(folder / CONFIG)
-    architecture = _field(config, "architecture", folder / CONFIG, default="standard")
+    config = read_json(folder / CONFIG)
+    architecture = field(config, "architecture", folder / CONFIG, default="standard")
     if architecture not in ARCHITECTURES:
         raise SAEFormatError(folder / CONFIG, f"architecture {architecture!r} is not loaded "
                              f"here (known: {', '.join(ARCHITECTURES)})", "architecture")
@@ -49,7 +51,7 @@ def load(path: str | Path) -> SAE:
                                  "supported yet", key)
     names = ["W_enc", "b_enc", "W_dec", "b_dec"] + (
         ["threshold"] if architecture == "jumprelu" else [])
-    tensors = _tensors(folder / WEIGHTS, names)
+    tensors = read_safetensors(folder / WEIGHTS, names)
     dtype = _dtype(config.get("dtype"), folder / CONFIG)
     if dtype is not None:
         tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
@@ -60,17 +62,12 @@ def load(path: str | Path) -> SAE:
                                  f"{WEIGHTS} is [{d_in}, {d_sae}]", key)
     found = config.get("metadata")
     metadata: dict[str, Any] = found if isinstance(found, dict) else {}
-    site = Site(hook_name=config.get("hook_name") or metadata.get("hook_name"),
-                hf_hook_name=config.get("hf_hook_name") or metadata.get("hf_hook_name"))
-    k = _field(config, "k", folder / CONFIG) if architecture == "topk" else None
-    try:
-        return SAE(architecture, tensors["W_enc"], tensors["b_enc"], tensors["W_dec"],
-                   tensors["b_dec"], threshold=tensors.get("threshold"),
-                   k=None if k is None else int(k),
-                   apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", False)),
-                   site=site)
-    except ValueError as error:
-        raise SAEFormatError(folder, str(error)) from None
+    named = Site(hook_name=config.get("hook_name") or metadata.get("hook_name"),
+                 hf_hook_name=config.get("hf_hook_name") or metadata.get("hf_hook_name"))
+    k = field(config, "k", folder / CONFIG) if architecture == "topk" else None
+    return build(folder, architecture, tensors, k=None if k is None else int(k),
+                 apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", False)),
+                 site=settle_site(named, site, folder / CONFIG))
 
 
 def save(sae: SAE, path: str | Path) -> None:
@@ -96,25 +93,6 @@ def save(sae: SAE, path: str | Path) -> None:
     (folder / CONFIG).write_text(json.dumps(config, indent=2))
 
 
-def _config(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SAEFormatError(path, "is missing") from None
-    except (OSError, ValueError) as error:
-        raise SAEFormatError(path, f"is not readable JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise SAEFormatError(path, "holds no JSON object")
-    return config
-
-
-def _field(config: dict[str, Any], key: str, path: Path, default: Any = None) -> Any:
-    value = config.get(key, default)
-    if value is None:
-        raise SAEFormatError(path, "has no value", key)
-    return value
-
-
 def _dtype(name: Any, path: Path) -> torch.dtype | None:
     """`"float32"` or `"torch.float32"` as a torch dtype; `None` (keep the file's) if unset."""
     if name is None:
@@ -123,20 +101,3 @@ def _dtype(name: Any, path: Path) -> torch.dtype | None:
     if not isinstance(found, torch.dtype):
         raise SAEFormatError(path, f"dtype {name!r} is not a torch dtype", "dtype")
     return found
-
-
-def _tensors(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise SAEFormatError(path, "is missing")
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            present = set(handle.keys())
-            for name in names:
-                if name not in present:
-                    raise SAEFormatError(path, f"has no tensor {name!r} (it holds "
-                                         f"{', '.join(sorted(present)) or 'none'})", name)
-            return {name: handle.get_tensor(name) for name in names}
-    except SAEFormatError:
-        raise
-    except Exception as error:  # a truncated or foreign file: safetensors says why
-        raise SAEFormatError(path, f"is not a readable safetensors file ({error})") from None
