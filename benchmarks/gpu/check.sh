@@ -38,7 +38,7 @@ mkdir -p "$out"
 root=$(pwd)
 # CuTe DSL (vLLM 0.34) puts its `cutlass` package on the path with a .pth file, which Python reads
 # only in site-packages, not in a PYTHONPATH folder: its folder is named here instead.
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$root/packages/tokenspan/src:$root/packages/tpfragments/src:$root/packages/vllm-envoys/src:$root/packages/vllm-runner/src
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$root/packages/tokenspan/src:$root/packages/tpfragments/src:$root/packages/vllm-envoys/src:$root/packages/vllm-runner/src:$root/packages/saecodec/src
 export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=WARNING
 # Where the staged CuTe DSL lacks its `cutlass` package, vLLM 0.34's MiniMax-M3 warmup (a no-op
 # for other models) is stubbed: no_cutedsl/sitecustomize.py says why.

@@ -123,15 +123,51 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = kept
 
 
+def random_sae(architecture: str, hook_name: str, d_in: int = 128, d_sae: int = 512,
+               seed: int = 0, **fields):
+    """A random SAE of `architecture` trained, its files say, at `hook_name`; its encoder
+    scaled so that a few dozen of its features are active at a token of the suite's model."""
+    from saecodec import SAE, Site
+
+    generator = torch.Generator().manual_seed(seed)
+    w_enc = torch.randn(d_in, d_sae, generator=generator) / d_in ** 0.5 * 2.0
+    w_dec = torch.randn(d_sae, d_in, generator=generator) / d_in ** 0.5
+    threshold = (torch.rand(d_sae, generator=generator) * 0.4 + 0.2
+                 if architecture == "jumprelu" else None)
+    return SAE(architecture, w_enc, torch.randn(d_sae, generator=generator) * 0.1, w_dec,
+               torch.randn(d_in, generator=generator) * 0.05, threshold=threshold,
+               site=Site(hook_name=hook_name), **fields)
+
+
+#: The suite engine's SAEs: name -> (architecture, site in its files, extra fields).
+SUITE_SAES = {"res1": ("jumprelu", "blocks.1.hook_resid_post", {}),
+              "mlp0": ("topk", "blocks.0.hook_mlp_out", {"k": 8}),
+              "pre2": ("standard", "blocks.2.hook_resid_pre", {"apply_b_dec_to_input": True})}
+
+
 @pytest.fixture(scope="session")
-def llm(model_dir: str, reference):  # the reference loads first; the engine then owns the CPU
+def sae_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The suite's SAEs written in SAELens's native format (which `saecodec` reads and writes
+    as SAELens does: its own tests check that against SAELens)."""
+    found = {}
+    for seed, (name, (architecture, hook_name, fields)) in enumerate(SUITE_SAES.items()):
+        path = tmp_path_factory.mktemp(f"sae-{name}")
+        random_sae(architecture, hook_name, seed=seed, **fields).save(path)
+        found[name] = str(path)
+    return found
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir: str, reference, sae_dirs):
+    """The suite's engine, with its SAEs (the reference loads first; the engine then owns the
+    CPU)."""
     from vllm_runner import LLM
 
     # An 8-token budget makes the prompts share steps and spreads the longest over three; 32-token
     # KV blocks (the CPU kernel's smallest) let prompts of a few dozen tokens share cache blocks.
     return LLM(model_dir, dtype="float32", **ENGINE_MEMORY,
                max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32,
-               seed=0, **SUITE_ENGINE)
+               seed=0, saes=sae_dirs, **SUITE_ENGINE)
 
 
 @torch.no_grad()

@@ -31,13 +31,13 @@ from vllm import SamplingParams
 from vllm_runner import AsyncLLM, ops
 COUNT_ATTACHED
 
-PROMPTS, STEER, LARGE_PROMPT, LARGE_SAVES = torch.load(sys.argv[2])
+PROMPTS, STEER, LARGE_PROMPT, LARGE_SAVES, SAE = torch.load(sys.argv[2])
 
 async def main():
     # A small share of a GPU: the test's own offline engine holds memory beside this one.
     engine = AsyncLLM(sys.argv[1], dtype="float32", max_model_len=128, max_num_seqs=8,
                       kv_cache_memory_bytes=64 << 20, gpu_memory_utilization=0.15, seed=0,
-                      **SUITE_ENGINE)
+                      saes={"res1": SAE}, **SUITE_ENGINE)
     params = SamplingParams(max_tokens=4, temperature=0.0)
 
     async def last(index, interventions):
@@ -51,6 +51,10 @@ async def main():
         last(0, [ops.Save("layers.*.layer_output")]),
         last(1, [ops.Add("layers.1.layer_output", STEER, scale=8.0)]),
         last(2, None))
+    # An SAE by name: its features read, its directions steered by.
+    features = await last(0, [ops.Features(sae="res1", top_k=6),
+                              ops.SteerFeatures(sae="res1", features={3: 4.0})])
+    sae_table = await engine.saes()
     final = None  # ~1.3 MB of saves: through shared memory
     async for output in engine.generate({"prompt_token_ids": LARGE_PROMPT}, params, "large",
                                         interventions=[ops.Save(saved) for saved in LARGE_SAVES]):
@@ -76,7 +80,9 @@ async def main():
                     saved.error, steered.error, plain.error],
                 "plain": list(plain.outputs[0].token_ids), "plain_saved": plain.saved,
                 "held": held, "large": large.saved, "large_error": large.error,
-                "attached": attached}, sys.argv[3])
+                "attached": attached, "features": features.saved,
+                "features_error": features.error, "sae_table": sae_table,
+                "features_tokens": list(features.outputs[0].token_ids)}, sys.argv[3])
     engine.shutdown()
 
 if __name__ == "__main__":  # vLLM starts its engine core in a process of its own (spawn)
@@ -86,9 +92,10 @@ if __name__ == "__main__":  # vLLM starts its engine core in a process of its ow
 
 
 def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
-        model_dir: str, llm, tmp_path: Path) -> None:
+        model_dir: str, llm, tmp_path: Path, sae_dirs) -> None:
     (tmp_path / "run.py").write_text(SCRIPT)
-    torch.save((PROMPTS, STEER, LARGE_PROMPT, LARGE_SAVES), tmp_path / "inputs.pt")
+    torch.save((PROMPTS, STEER, LARGE_PROMPT, LARGE_SAVES, sae_dirs["res1"]),
+               tmp_path / "inputs.pt")
     ran = subprocess.run([sys.executable, "run.py", model_dir, "inputs.pt", "out.pt"],
                          cwd=tmp_path, env=engine_script_environment(), capture_output=True,
                          text=True, timeout=600)
@@ -116,6 +123,17 @@ def test_async_generate_equals_the_offline_llm_and_frees_a_stopped_request(
     assert got["steered"] != list(llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[1])],
                                                params, use_tqdm=False)[0].outputs[0].token_ids)
     assert got["held"] == {"requests": 0, "bytes": 0}
+    (features,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])], params,
+                               interventions=[ops.Features(sae="res1", top_k=6),
+                                              ops.SteerFeatures(sae="res1", features={3: 4.0})],
+                               use_tqdm=False)
+    assert got["features_error"] is None and got["sae_table"] == {"res1": llm.saes["res1"]}
+    assert got["features_tokens"] == list(features.outputs[0].token_ids)
+    indices, values = "res1.features.indices", "res1.features.values"
+    assert torch.equal(got["features"][indices], features.saved[indices])
+    # The encoding's sums follow the process's CPU threads: float32's precision across engines.
+    torch.testing.assert_close(got["features"][values], features.saved[values], rtol=1e-5,
+                               atol=1e-5)
     # Only the large request's saves came through a file in shared memory, and came whole.
     (size,) = got["attached"]
     assert size >= wire.SHARED_MIN_BYTES and got["large_error"] is None

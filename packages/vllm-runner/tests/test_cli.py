@@ -101,6 +101,24 @@ def test_a_bad_location_is_one_line_and_exit_2(model_dir: str, tmp_path) -> None
         "vllm-interp extract: 'layers.0.mlp_nurons' is not a location")
 
 
+def test_extract_writes_an_saes_sparse_features(model_dir: str, sae_dirs, tmp_path) -> None:
+    """`vllm-interp extract --sae NAME=PATH --top-k K`, as a user runs it: the engine loads the
+    SAE, and each prompt's shard entries are its top features per token (no --save needed)."""
+    from vllm_runner.cli.extract import load
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nthe cat sat\n")
+    completed = _command("extract", "--model", model_dir, "--prompts", str(prompts), "--sae",
+                         f"res1={sae_dirs['res1']}", "--top-k", "5", "--out", str(tmp_path / "o"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    records = list(load(tmp_path / "o"))
+    assert [set(record) for record in records] == [
+        {"index", "token_ids", "res1.features.indices", "res1.features.values"}] * 2
+    for record in records:
+        assert record["res1.features.values"].shape == (len(record["token_ids"]), 5)
+        assert bool((record["res1.features.indices"] >= 0).any())
+
+
 def test_other_extraction_settings_are_refused_before_the_engine_starts(tmp_path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello\n")

@@ -8,10 +8,11 @@ import vllm_runner
 from vllm_runner import ops
 
 PUBLIC = {"LLM", "AsyncLLM", "EngineDied", "EngineStartError", "InterpError",
-          "InterventionError", "LocationError", "TapsRefused", "UnsupportedEngine",
+          "InterventionError", "LocationError", "SAEsRefused", "TapsRefused", "UnsupportedEngine",
           "__version__", "ops"}
-OPS = {"Add", "Call", "CallContext", "Lens", "Op", "Probe", "ProjectOut", "Save", "Scale", "Set",
-       "Skip", "Steps", "STEPS", "Zero", "op_from_data", "tensor_from_data", "tensor_to_data"}
+OPS = {"Add", "Call", "CallContext", "ClampFeatures", "Features", "Lens", "Op", "Probe",
+       "ProjectOut", "Save", "Scale", "Set", "Skip", "SteerFeatures", "Steps", "STEPS", "Zero",
+       "op_from_data", "tensor_from_data", "tensor_to_data"}
 
 
 def test_the_package_exports_exactly_its_public_names() -> None:
@@ -25,5 +26,5 @@ def test_ops_exports_exactly_the_ops_and_their_plain_data() -> None:
     for name in OPS:
         assert getattr(ops, name) is not None, name
     assert all(issubclass(getattr(ops, name), ops.Op)
-               for name in ("Add", "Call", "Lens", "Probe", "ProjectOut", "Save", "Scale", "Set",
-                            "Skip", "Zero"))
+               for name in ("Add", "Call", "ClampFeatures", "Features", "Lens", "Probe",
+                            "ProjectOut", "Save", "Scale", "Set", "Skip", "SteerFeatures", "Zero"))

@@ -12,7 +12,7 @@ import sys
 import pytest
 from vllm_runner.server import command as module
 from vllm_runner.server.command import _ranks, plugins_setting, serve_command, with_taps
-from vllm_runner.settings import GRAPH_TAPS_KEY, TAPS_KEY
+from vllm_runner.settings import GRAPH_TAPS_KEY, SAES_KEY, TAPS_KEY
 
 MODEL = "/models/tiny-llama"
 KV_BYTES = 3 * 2**30
@@ -85,6 +85,25 @@ def test_taps_become_the_engines_additional_config_merged_into_the_users() -> No
     assert changed[:2] == ["--port", "1"] and not any("--interp-" in one for one in changed)
     assert with_taps(["--port", "1", "--additional-config", "{}"]) == [
         "--port", "1", "--additional-config", "{}"]  # no taps: the user's options as given
+
+
+def test_each_interp_sae_becomes_one_of_the_engines_saes(tmp_path, monkeypatch) -> None:
+    """`--interp-sae NAME=PATH`, once per SAE, as `LLM(saes=...)`: absolute paths in the
+    engine's own config, beside the taps; a path that does not exist, a name given twice or a
+    value without `=` is refused by name."""
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path)
+    changed = with_taps(["--interp-sae", "res1=a", f"--interp-sae=mlp0={tmp_path / 'a'}",
+                         "--interp-taps", "layers.0.layer_output"])
+    (config,) = values_of(changed, "--additional-config")
+    assert json.loads(config)[SAES_KEY] == {"res1": str(tmp_path / "a"),
+                                            "mlp0": str(tmp_path / "a")}
+    assert TAPS_KEY in json.loads(config)
+    for bad, named in ((["--interp-sae", "res1"], "give NAME=PATH"),
+                       (["--interp-sae", "x=a", "--interp-sae", "x=a"], "given twice"),
+                       (["--interp-sae", f"x={tmp_path / 'missing'}"], "does not exist")):
+        with pytest.raises(ValueError, match=named):
+            with_taps(bad)
 
 
 @pytest.mark.parametrize(("given", "named"), [

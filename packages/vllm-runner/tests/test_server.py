@@ -90,11 +90,13 @@ def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: str, vectors: Path, tmp_path_factory: pytest.TempPathFactory):
+def server(model_dir: str, vectors: Path, tmp_path_factory: pytest.TempPathFactory, sae_dirs):
     with running_server(model_dir, tmp_path_factory.mktemp("server"), "--interp-vectors",
                         str(vectors), "--interp-max-locations", "8",
                         "--interp-saves-budget-mib", "0.1",
-                        "--interp-max-saved-mib", "0.25") as base:
+                        "--interp-max-saved-mib", "0.25",
+                        *[option for name, path in sae_dirs.items()
+                          for option in ("--interp-sae", f"{name}={path}")]) as base:
         yield base
 
 
@@ -152,6 +154,35 @@ def test_steering_over_http_changes_the_completion_exactly_as_offline(client, ll
                                   "vector": STEER.tolist(), "scale": 8.0}])
     assert as_list.choices[0].model_extra["token_ids"] == \
         steered.choices[0].model_extra["token_ids"]
+
+
+def test_sae_ops_over_http_equal_the_offline_ones(client, llm) -> None:
+    """The server's SAEs (`--interp-sae NAME=PATH`) by name: features, a steer and a clamp as
+    JSON give the offline engine's tokens and saves; an SAE the server has not is a 400 naming
+    the field, and a feature past the SAE's width fails its own request."""
+    response = _complete(client, [
+        {"op": "features", "sae": "res1", "top_k": 6},
+        {"op": "steer_features", "sae": "mlp0", "features": {"5": 3.0, "9": -1.5}},
+        {"op": "clamp_features", "sae": "res1", "features": {"2": 0.0}, "positions": [-1]}])
+    offline = _offline(llm, [ops.Features(sae="res1", top_k=6),
+                             ops.SteerFeatures(sae="mlp0", features={5: 3.0, 9: -1.5}),
+                             ops.ClampFeatures(sae="res1", features={2: 0.0}, positions=(-1,))])
+    (choice,) = response.choices
+    assert list(choice.model_extra["token_ids"]) == list(offline.outputs[0].token_ids)
+    saves = _saves(choice)
+    assert saves.keys() == offline.saved.keys() == {"res1.features.indices",
+                                                    "res1.features.values"}
+    # The encoding is torch's matmul in the worker's process, whose CPU threads (and so sums)
+    # differ between the two engines: equal indices, values to float32's precision.
+    assert torch.equal(saves["res1.features.indices"], offline.saved["res1.features.indices"])
+    assert torch.allclose(saves["res1.features.values"], offline.saved["res1.features.values"],
+                          rtol=1e-5, atol=1e-5)
+    with pytest.raises(BadRequestError) as refused:
+        _complete(client, [{"op": "features", "sae": "nope", "top_k": 2}])
+    assert "interventions[0].sae" in str(refused.value) and "res1" in str(refused.value)
+    failed = _complete(client, [{"op": "steer_features", "sae": "res1", "features": {"512": 1}}])
+    assert "features [512] are not among the SAE's 512" in \
+        failed.choices[0].model_extra["interp"]["error"]
 
 
 def test_a_probe_over_http_returns_the_offline_scores(client, llm) -> None:

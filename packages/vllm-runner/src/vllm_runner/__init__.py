@@ -19,6 +19,7 @@ from vllm_runner.errors import (
     InterpError,
     InterventionError,
     LocationError,
+    SAEsRefused,
     TapsRefused,
     UnsupportedEngine,
 )
@@ -48,4 +49,4 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
 __all__ = ["LLM", "AsyncLLM", "EngineDied", "EngineStartError", "InterpError", "InterventionError",
-           "LocationError", "TapsRefused", "UnsupportedEngine", "__version__", "ops"]
+           "LocationError", "SAEsRefused", "TapsRefused", "UnsupportedEngine", "__version__", "ops"]

@@ -11,6 +11,20 @@ class LocationError(InterpError, ValueError):
     """A location names no value of the model; the message lists the closest valid ones."""
 
 
+class SAEsRefused(InterpError, ValueError):
+    """SAEs the engine's workers refused at start-up (files that do not load, a site that maps
+    to no location the model serves, a width not the model's); `refused` maps each name to the
+    reason."""
+
+    def __init__(self, message: str, refused: dict[str, str]) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+    def __reduce__(self) -> tuple[type[SAEsRefused], tuple[str, dict[str, str]]]:
+        """Both arguments again when unpickled (another process may receive it)."""
+        return type(self), (str(self), self.refused)
+
+
 class TapsRefused(LocationError):
     """Tap patterns the engine's workers refused at start-up; `refused` maps each pattern to
     the reason, so a caller can start again without them."""

@@ -8,7 +8,7 @@ for the workers is therefore an environment variable, set before the engine star
 from __future__ import annotations
 
 import os
-from typing import cast
+from typing import Any, cast
 
 from tokenspan import READ_MODES, ReadMode
 
@@ -24,10 +24,39 @@ TAPS_KEY = "interp_taps"
 GRAPH_TAPS_KEY = "interp_graph_taps"
 
 
+#: Where an engine's SAEs (`LLM(saes={name: folder})`) travel to its workers, likewise: each
+#: worker loads them once at start-up.
+SAES_KEY = "interp_saes"
+
+
 def taps_config(taps: list[str], graph_taps: list[str]) -> dict[str, list[str]]:
     """The taps' entries of vLLM's `additional_config` (`LLM(taps=, graph_taps=)` and
     `vllm-interp serve --interp-taps/--interp-graph-taps`): every tap once, graph taps included."""
     return {TAPS_KEY: list(dict.fromkeys([*taps, *graph_taps])), GRAPH_TAPS_KEY: graph_taps}
+
+
+def saes_config(saes: Any) -> dict[str, dict[str, str]]:
+    """The SAEs' entry of vLLM's `additional_config` (`LLM(saes=...)`, `vllm-interp serve
+    --interp-sae NAME=PATH`): names to absolute folder paths (workers may start elsewhere),
+    refused by name unless each name is a word and each path exists, before an engine starts."""
+    if not isinstance(saes, dict) or not saes:
+        raise ValueError(f"saes={saes!r}: give a dict of names to SAE folders, e.g. "
+                         "saes={'res12': '/path/to/sae'}")
+    found: dict[str, str] = {}
+    for name, path in saes.items():
+        if not isinstance(name, str) or not name or any(c.isspace() or c in ":/" for c in name):
+            raise ValueError(f"saes: {name!r} is not a usable SAE name: give a word without "
+                             "spaces, ':' or '/', e.g. 'res12'")
+        if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
+            raise ValueError(f"saes[{name!r}]: {path!r} does not exist; give the folder (or "
+                             "file) the SAE's weights are in")
+        found[name] = os.path.abspath(path)
+    return {SAES_KEY: found}
+
+
+def refused_saes_message(refused: dict[str, str]) -> str:
+    """Why the engine's workers refused SAEs (name -> reason), in one line."""
+    return "; ".join(f"SAE {name!r}: {reason}" for name, reason in refused.items())
 
 
 def refused_taps_message(refused: dict[str, str]) -> str:

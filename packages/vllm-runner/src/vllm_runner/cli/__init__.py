@@ -107,8 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_arguments(extract)
     extract.add_argument("--prompts", type=Path, required=True,
                          help="a text file (one prompt per line) or JSONL ('prompt' field)")
-    extract.add_argument("--save", required=True,
+    extract.add_argument("--save", default="",
                          help="comma-separated locations, e.g. 'layers.*.layer_output,logits'")
+    extract.add_argument("--sae", action="append", default=[], metavar="NAME=PATH",
+                         help="an SAE (its folder) whose features to extract, sparse; repeat "
+                              "for more")
+    extract.add_argument("--top-k", type=int, default=None,
+                         help="features kept per token and SAE (default: a TopK SAE's k; "
+                              "needed for other SAEs)")
     extract.add_argument("--out", type=Path, required=True, help="output folder")
     extract.add_argument("--positions", type=_positions, default=None,
                          help="keep only these positions, e.g. '-1' for each prompt's last token")
@@ -141,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _llm(arguments: argparse.Namespace) -> Any:
+def _llm(arguments: argparse.Namespace, saes: dict[str, str] | None = None) -> Any:
     from vllm_runner.client.llm import LLM
 
     engine: dict[str, Any] = dict(arguments.engine_arg)
@@ -152,6 +158,8 @@ def _llm(arguments: argparse.Namespace) -> Any:
     for name in ("max_model_len", "dtype", "gpu_memory_utilization", "kv_cache_memory_bytes"):
         if getattr(arguments, name) is not None:
             engine[name] = getattr(arguments, name)
+    if saes:
+        engine["saes"] = saes
     return LLM(arguments.model, tensor_parallel_size=arguments.tensor_parallel_size, **engine)
 
 
@@ -277,14 +285,24 @@ def _extract(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> 
     if not prompts:
         parser.error(f"--prompts: {arguments.prompts} holds no prompts")
     locations = [part.strip() for part in arguments.save.split(",") if part.strip()]
-    if not locations:
-        parser.error("--save names no location")
-    settings = dict(positions=arguments.positions, shard_size=arguments.shard_size,
-                    model_name=arguments.model or "default")
+    saes: dict[str, str] = {}
+    for given in arguments.sae:
+        name, equals, path = given.partition("=")
+        if not equals or not name or not path:
+            parser.error(f"--sae {given!r}: give NAME=PATH, e.g. --sae res12=/path/to/sae")
+        saes[name] = path
+    if not locations and not saes:
+        parser.error("give --save LOCATIONS, --sae NAME=PATH, or both")
+    if arguments.top_k is not None and arguments.top_k < 1:
+        parser.error("--top-k must be at least 1")
+    settings: dict[str, Any] = dict(
+        positions=arguments.positions, shard_size=arguments.shard_size,
+        model_name=arguments.model or "default",
+        features={name: arguments.top_k for name in saes})
     try:  # before the engine's slow start
         resumable(arguments.out, prompts, locations, **settings)
     except ExtractionMismatch as error:
         parser.error(str(error))
-    out = extract(_llm(arguments), prompts, locations, arguments.out, **settings)
+    out = extract(_llm(arguments, saes), prompts, locations, arguments.out, **settings)
     print(f"wrote {len(prompts)} prompts to {out}")
     return 0

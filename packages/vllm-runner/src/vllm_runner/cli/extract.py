@@ -2,7 +2,9 @@
 
 Format: a folder of safetensors shards plus `manifest.json`. Shard `k` holds prompts
 `[k * shard_size, (k + 1) * shard_size)`; for prompt `i` it stores `"<i>/token_ids"` and
-`"<i>/<canonical location>"` (the saved value without its batch axis: `[positions, ...]`).
+`"<i>/<canonical location>"` (the saved value without its batch axis: `[positions, ...]`), and
+for each SAE whose features it extracts `"<i>/<sae>.features.indices"` and
+`"<i>/<sae>.features.values"` (`[positions, top_k]`, sparse: `ops.Features`).
 Why safetensors: every framework reads it (torch, numpy, JAX) without pickle, a shard can be
 memory-mapped and read one tensor at a time, and prompts of different lengths stay separate
 tensors instead of padded blocks; `datasets`/Arrow would add a large dependency and flatten the
@@ -55,8 +57,11 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str | Path, *,
             positions: Sequence[int] | None = None, shard_size: int = 64,
-            model_name: str = "", progress: bool = True) -> Path:
-    """Run `prompts` through `llm` saving `locations` (patterns), and write them to `out`.
+            model_name: str = "", progress: bool = True,
+            features: dict[str, int | None] | None = None) -> Path:
+    """Run `prompts` through `llm` saving `locations` (patterns), and the features of the SAEs
+    `features` names (an SAE of `llm` -> how many features per token: `ops.Features`'s `top_k`),
+    and write them to `out`.
 
     Each prompt's values are what `llm.generate(..., interventions=[ops.Save(...)])` saves for
     it, run with `max_tokens=1`, so they cover the prompt's positions (`positions` keeps some:
@@ -71,14 +76,18 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
     if shard_size < 1:
         raise ValueError(f"shard_size must be at least 1, got {shard_size}")
     out = Path(out)
-    settings = _settings(prompts, locations, positions, shard_size, model_name)
+    features = dict(features or {})
+    settings = _settings(prompts, locations, positions, shard_size, model_name, features)
     _check_folder(out, settings)
-    llm.resolve(list(locations))  # a bad location fails now, not after the first shard
+    # A bad location or SAE fails now, not after the first shard.
+    llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
     out.mkdir(parents=True, exist_ok=True)
     manifest = _open_manifest(out, settings)
     done = {shard["index"] for shard in manifest["shards"]}
-    program = [ops.Save(location, positions=None if positions is None else tuple(positions))
-               for location in locations]
+    kept = None if positions is None else tuple(positions)
+    program: list[ops.Op] = [ops.Save(location, positions=kept) for location in locations]
+    program += [ops.Features(sae=name, top_k=top_k, positions=kept)
+                for name, top_k in features.items()]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     count = -(-len(prompts) // shard_size)
     finished = sum(min(shard_size, len(prompts) - i * shard_size) for i in done)
@@ -120,9 +129,10 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
 
 def _settings(prompts: Sequence[str], locations: Sequence[str],
               positions: Sequence[int] | None, shard_size: int,
-              model_name: str) -> dict[str, Any]:
+              model_name: str, features: dict[str, int | None] | None = None) -> dict[str, Any]:
     """What an extraction folder records, and a resumed run must match."""
     return {"format": FORMAT, "model": model_name, "locations": list(locations),
+            **({"features": dict(features)} if features else {}),
             "positions": None if positions is None else list(positions),
             "shard_size": shard_size, "prompts": len(prompts),
             "prompts_sha256": _digest(prompts)}
@@ -130,11 +140,12 @@ def _settings(prompts: Sequence[str], locations: Sequence[str],
 
 def resumable(out: str | Path, prompts: Sequence[str], locations: Sequence[str], *,
               positions: Sequence[int] | None = None, shard_size: int = 64,
-              model_name: str = "") -> None:
+              model_name: str = "", features: dict[str, int | None] | None = None) -> None:
     """Check, without writing or starting anything, that `extract` with these settings can
     write to `out` (empty, new, or an extraction with the same settings): `ExtractionMismatch`
     naming what differs otherwise. The command runs it before its engine's slow start."""
-    _check_folder(Path(out), _settings(prompts, locations, positions, shard_size, model_name))
+    _check_folder(Path(out), _settings(prompts, locations, positions, shard_size, model_name,
+                                       features))
 
 
 def _check_folder(out: Path, settings: dict[str, Any]) -> None:

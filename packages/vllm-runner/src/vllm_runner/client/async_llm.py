@@ -11,7 +11,8 @@ script that builds one needs `if __name__ == "__main__":` around it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Sequence
+import os
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 from tokenspan import ReadMode
@@ -21,10 +22,12 @@ from vllm_runner.client.collection import collect_async, finished_output
 from vllm_runner.client.engine_start import choose_defaults
 from vllm_runner.client.llm import as_prompt_dict, prepare_engine
 from vllm_runner.client.submission import Submission
+from vllm_runner.errors import SAEsRefused
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.ops.program import check_ops
+from vllm_runner.settings import refused_saes_message
 
 logger = logging.getLogger("vllm.interp")
 
@@ -35,16 +38,19 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, interp_reads: ReadMode | None = None,
                  interp_device_saves_mib: int | None = None,
                  taps: str | Sequence[str] | None = None,
-                 graph_taps: str | Sequence[str] | None = None, **engine: Any) -> None:
+                 graph_taps: str | Sequence[str] | None = None,
+                 saes: Mapping[str, str | os.PathLike[str]] | None = None,
+                 **engine: Any) -> None:
         """Start vLLM's asyncio engine on `model` (the embedded SmolLM2-135M-Instruct when
-        `None`) with every engine argument in `engine`; the `interp_*` settings, `taps` and
-        `graph_taps` as for `LLM`."""
+        `None`) with every engine argument in `engine`; the `interp_*` settings, `taps`,
+        `graph_taps` and `saes` as for `LLM` (`await llm.saes()` says where each SAE reads,
+        and raises `SAEsRefused` for those the workers refused)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM as VllmAsyncLLM
 
         model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps,
-                               graph_taps)
+                               graph_taps, saes)
         chosen = choose_defaults(model, engine, current_platform.is_cpu())
         self._default_interventions: tuple[Op, ...] = ()
         self.engine = VllmAsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine))
@@ -69,6 +75,14 @@ class AsyncLLM:
         if name == "engine":
             raise AttributeError("this AsyncLLM has no engine: its construction failed")
         return getattr(self.engine, name)
+
+    async def saes(self) -> dict[str, dict[str, Any]]:
+        """The engine's SAEs by name (as `LLM.saes`); `SAEsRefused` naming those the workers
+        refused at start-up."""
+        (answer, *_) = await self.engine.collective_rpc("interp_saes")
+        if answer["refused"]:
+            raise SAEsRefused(refused_saes_message(answer["refused"]), answer["refused"])
+        return dict(answer["loaded"])
 
     async def resolve(self, patterns: Sequence[str]) -> dict[str, list[str]]:
         """The canonical locations each pattern names; `LocationError` for one that names

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import vllm
@@ -35,7 +35,7 @@ from vllm_runner.client.trace import Trace
 from vllm_runner.engine import rpc as engine_rpc
 from vllm_runner.engine import vllm_client
 from vllm_runner.engine.compat import check_version
-from vllm_runner.errors import EngineDied, TapsRefused
+from vllm_runner.errors import EngineDied, SAEsRefused, TapsRefused
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
@@ -45,7 +45,9 @@ from vllm_runner.settings import (
     READS_VARIABLE,
     device_saves_limit,
     read_mode,
+    refused_saes_message,
     refused_taps_message,
+    saes_config,
     shared_saves_memory,
     taps_config,
 )
@@ -78,11 +80,13 @@ def _with_text(message: dict[str, Any]) -> dict[str, Any]:
 def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: ReadMode | None,
                    interp_device_saves_mib: int | None,
                    taps: str | Sequence[str] | None = None,
-                   graph_taps: str | Sequence[str] | None = None) -> str:
+                   graph_taps: str | Sequence[str] | None = None,
+                   saes: Mapping[str, str | os.PathLike[str]] | None = None) -> str:
     """What every engine of ours needs before vLLM starts it (`LLM` and `AsyncLLM` alike): a
     checked vLLM release, the workers' settings in the environment (checked here, not in a
     worker's traceback), the taps in the engine's own config, eager mode on a CPU unless
-    asked otherwise, the worker class, and the embedded model when `model` is `None`. Fills `engine`
+    asked otherwise, the worker class, the SAEs' folders, and the embedded model when `model` is
+    `None`. Fills `engine`
     in place; returns the model to start."""
     check_version(vllm.__version__)
     if taps is not None or graph_taps is not None:
@@ -90,6 +94,9 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
         engine["additional_config"] = {
             **(engine.get("additional_config") or {}),
             **taps_config([] if taps is None else tap_patterns(taps), in_graph)}
+    if saes is not None:
+        engine["additional_config"] = {**(engine.get("additional_config") or {}),
+                                       **saes_config(dict(saes))}
     if interp_reads is not None:
         os.environ[READS_VARIABLE] = read_mode(interp_reads)
     if interp_device_saves_mib is not None:
@@ -171,7 +178,9 @@ class LLM:
     def __init__(self, model: str | None = None, interp_reads: ReadMode | None = None,
                  interp_device_saves_mib: int | None = None,
                  taps: str | Sequence[str] | None = None,
-                 graph_taps: str | Sequence[str] | None = None, **engine: Any) -> None:
+                 graph_taps: str | Sequence[str] | None = None,
+                 saes: Mapping[str, str | os.PathLike[str]] | None = None,
+                 **engine: Any) -> None:
         """Start vLLM's engine on `model` with every engine argument in `engine`.
 
         Without `model`, the embedded SmolLM2-135M-Instruct is used (converted once into the
@@ -208,20 +217,45 @@ class LLM:
         steps keep vLLM's full CUDA graphs. Each costs a copy of its value at every forward,
         programs or not, and buffers of `max_num_batched_tokens` rows; only residual-width
         values whole on every rank qualify (others are refused by name, as bad taps are).
+
+        `saes` names sparse autoencoders by the folders their files are in
+        (`{"res12": "/path/to/sae"}`; the formats `saecodec` reads): each worker loads them once,
+        and the ops `Features`, `SteerFeatures` and `ClampFeatures` act in their feature space
+        by name. An SAE whose files do not load, whose site maps to no location the model
+        serves per token, or whose width is not the model's is refused by name
+        (`SAEsRefused`) once the engine has started, and the engine shut down. `llm.saes` says
+        where each reads.
         """
         self._gone: str | None = None  # why the engine cannot be used any more, once known
         self._default_interventions: tuple[Op, ...] = ()
+        self._saes: dict[str, dict[str, Any]] = {}
         model = prepare_engine(model, engine, interp_reads, interp_device_saves_mib, taps,
-                               graph_taps)
+                               graph_taps, saes)
         from vllm.platforms import current_platform
 
         self.engine = start(model, engine, on_cpu=current_platform.is_cpu())
+        if saes is not None:
+            answer = self._rpc("interp_saes")[0]
+            if refused := answer["refused"]:
+                self._stop_refused("its SAEs were refused")
+                raise SAEsRefused(refused_saes_message(refused), refused)
+            self._saes = answer["loaded"]
         if (taps is not None or graph_taps is not None) and (
                 refused := self._rpc("interp_taps")[0]["refused"]):
-            self._gone = "its taps were refused"
-            with contextlib.suppress(Exception):  # the refusal is what the caller must see
-                self.engine.llm_engine.engine_core.shutdown()
+            self._stop_refused("its taps were refused")
             raise TapsRefused(refused_taps_message(refused), refused)
+
+    def _stop_refused(self, why: str) -> None:
+        """Shut the engine down after the workers refused what it was started with (`why`)."""
+        self._gone = why
+        with contextlib.suppress(Exception):  # the refusal is what the caller must see
+            self.engine.llm_engine.engine_core.shutdown()
+
+    @property
+    def saes(self) -> dict[str, dict[str, Any]]:
+        """The engine's SAEs by name (`LLM(saes=...)`): the location each reads, its
+        architecture, `d_in`, `d_sae`, dtype and the site named in its files."""
+        return {name: dict(found) for name, found in self._saes.items()}
 
     def __getattr__(self, name: str) -> Any:
         """Everything else is vLLM's `LLM`'s (`get_tokenizer`, `llm_engine`, ...)."""

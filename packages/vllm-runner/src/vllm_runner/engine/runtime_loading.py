@@ -9,7 +9,13 @@ from vllm_runner.compiled.taps import TAP_OP
 from vllm_runner.engine.kv_blocks import WrittenBlocks
 from vllm_runner.runtime.door import EngineDoor
 from vllm_runner.runtime.runtime import Runtime
-from vllm_runner.settings import GRAPH_TAPS_KEY, TAPS_KEY, device_saves_limit, read_mode
+from vllm_runner.settings import (
+    GRAPH_TAPS_KEY,
+    SAES_KEY,
+    TAPS_KEY,
+    device_saves_limit,
+    read_mode,
+)
 
 logger = logging.getLogger("vllm.interp")
 
@@ -24,6 +30,10 @@ def load_runtime(runner: Any) -> None:
                       device_saves_limit=device_saves_limit())
     runtime.compiled = runner.interp_compiles = compiles(runner.vllm_config)
     install_taps(runtime, runner.vllm_config)
+    if saes := (runner.vllm_config.additional_config or {}).get(SAES_KEY):
+        runtime.load_saes(saes, runner.model_config.hf_config)
+        for name, reason in runtime.sae_table.refused.items():
+            logger.warning("vllm-runner: SAE %r refused: %s", name, reason)
     door: EngineDoor = runtime  # what the adapters and the worker's RPCs may use of it
     runner.interp = door
     runner.interp_written = WrittenBlocks()

@@ -95,6 +95,11 @@ class WorkerRPC:
         runtime = _door(self)
         return {"taps": sorted(runtime.taps), "refused": dict(runtime.refused_taps)}
 
+    def interp_saes(self) -> dict[str, Any]:
+        """The SAEs this worker loaded (`"loaded"`: where each reads, its architecture and
+        sizes) and those it refused, with the reasons (`"refused"`)."""
+        return _door(self).saes()
+
     def interp_forwards(self) -> dict[str, int]:
         """Forwards run so far, by path (`Runtime.forwards`)."""
         return dict(_door(self).forwards)

@@ -6,8 +6,9 @@ in `SamplingParams.extra_args`; a worker turns the data back into the same class
 requests running it are served together (`serve_group`), how it saves or edits (`serve`,
 `edited`), what it leaves in the saves (`saved_names`), what its tensor must fit
 (`tensor_misfit`) and how many rows it saves (`saved_rows`). A new op is one class — in
-`reads` (ops that save what they read), `edits` (ops that change values) or `call` (the user's
-own code), on the bases of `base` — plus its tests and its line in the JSON schema.
+`reads` (ops that save what they read), `edits` (ops that change values), `call` (the user's
+own code) or `features` (in an SAE's feature space), on the bases of `base` — plus its tests and
+its line in the JSON schema.
 """
 
 from __future__ import annotations
@@ -24,16 +25,37 @@ from vllm_runner.ops.data import TAG, field_from_data, tensor_from_data, tensor_
 from vllm_runner.ops.edits import Add, ProjectOut, Scale, Set, Skip, Zero
 from vllm_runner.ops.edits import EditOp as EditOp
 from vllm_runner.ops.edits import with_rows_kept as with_rows_kept
+from vllm_runner.ops.features import ClampFeatures, Features, SteerFeatures
 from vllm_runner.ops.reads import Lens, Probe, Save
 
 # `tensor_to_data`/`tensor_from_data` were defined here before `ops.data`; kept importable.
-__all__ = ["STEPS", "Add", "Call", "CallContext", "Lens", "Op", "Probe", "ProjectOut", "Save",
-           "Scale", "Set", "Skip", "Steps", "Zero", "op_from_data", "tensor_from_data",
-           "tensor_to_data"]
+__all__ = [
+    "STEPS",
+    "Add",
+    "Call",
+    "CallContext",
+    "ClampFeatures",
+    "Features",
+    "Lens",
+    "Op",
+    "Probe",
+    "ProjectOut",
+    "Save",
+    "Scale",
+    "Set",
+    "Skip",
+    "SteerFeatures",
+    "Steps",
+    "Zero",
+    "op_from_data",
+    "tensor_from_data",
+    "tensor_to_data",
+]
 
 
 OPS_BY_KIND: dict[str, type[Op]] = {
-    op.kind: op for op in (Save, Add, Set, Scale, Zero, ProjectOut, Skip, Call, Lens, Probe)}
+    op.kind: op for op in (Save, Add, Set, Scale, Zero, ProjectOut, Skip, Call, Lens, Probe,
+                           Features, SteerFeatures, ClampFeatures)}
 
 
 def op_from_data(data: dict[str, Any]) -> Op:

@@ -25,6 +25,8 @@ from vllm_runner.ops.per_position import (
 from vllm_runner.ops.value_shape import ValueShape, broadcast_misfit
 
 if TYPE_CHECKING:
+    from saecodec import SAE
+
     from vllm_runner.ops.call import Call
     from vllm_runner.ops.edits import EditOp
     from vllm_runner.ops.reads import Lens, Save
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
 
 
 PositionFilter = Callable[[int], bool]
+#: The engine's SAEs as a worker holds them: name -> (the SAE, the location it reads).
+SAELookup = Callable[[str], "tuple[SAE, str]"]
 
 
 class GroupServer(Protocol):
@@ -70,6 +74,8 @@ class Op:
     #: Whether the worker adds the op itself (never sent by a client: the edited attention a
     #: pattern edit writes, `runtime.pattern_edits`); the checks of a request's own ops skip it.
     added_by_the_worker: ClassVar[bool] = False
+    #: The field that says where it acts (`location`; an SAE op: the SAE's name, `sae`).
+    PATTERN_FIELD: ClassVar[str] = "location"
 
     location: str
 
@@ -137,6 +143,12 @@ class Op:
         """The runs `(offset, rows)` of a request's `count` rows from `first_position` whose
         value the op saves as read (`saves_the_value`); none by default."""
         return []
+
+    def with_saes(self, lookup: SAELookup) -> Op:
+        """The op as a worker runs it, given the engine's SAEs (`lookup(name)`: the SAE loaded
+        under `name` and the location it reads; it raises for a name the engine has not):
+        itself, but for the ops in an SAE's feature space (`ops.features`)."""
+        return self
 
     def failure_detail(self, error: BaseException) -> str:
         """More to say in a request's error when `serve` raised `error` (e.g. user frames)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenspan import StepLayout
 
@@ -102,6 +102,10 @@ class WorkerDoor(Protocol):
 
     def resolve(self, pattern: str) -> list[str]:
         """The canonical locations a pattern names."""
+
+    def saes(self) -> dict[str, Any]:
+        """The SAEs loaded at start-up (`"loaded"`, each as plain data) and those refused, with
+        the reasons (`"refused"`)."""
 
     def edit_refusal(self, location: str) -> str | None:
         """Why a value cannot be edited, or `None`."""

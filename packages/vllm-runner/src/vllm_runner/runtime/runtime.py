@@ -26,6 +26,7 @@ from vllm_runner.compiled.tap_edits import steered_rows
 from vllm_runner.compiled.taps import install_taps, serve_taps
 from vllm_runner.errors import LocationError
 from vllm_runner.ops import Op
+from vllm_runner.ops.features import SAE_PATTERN_PREFIX
 from vllm_runner.ops.locations import PER_SAMPLED_ROW, resolve, unservable
 from vllm_runner.ops.program import Program, ProgramCache, ProgramData
 from vllm_runner.ops.wants import ScheduledRequest
@@ -34,6 +35,7 @@ from vllm_runner.runtime.hooks import EMBEDDINGS, SAMPLER_HOOK, TOKEN_IDS, Hooks
 from vllm_runner.runtime.lens import ModelLens
 from vllm_runner.runtime.pattern_edits import edit_refusal, with_pattern_outputs
 from vllm_runner.runtime.row_serving import OpGroup, Services, Visits, serve, token_axis_of
+from vllm_runner.runtime.saes import LoadedSAEs
 from vllm_runner.runtime.sharded import ShardedValues
 from vllm_runner.runtime.step_plan import NO_VISITS, plan_step
 from vllm_runner.saves.collection import Collected, Finished
@@ -67,8 +69,10 @@ class Runtime:
         self.standard = standardize(model, hf_config)
         self.values = self.standard.values()
         self.store = SaveStore()
-        self.programs = ProgramCache(
-            lambda ops: with_pattern_outputs(ops, self.locations_of, self.values))
+        #: The SAEs loaded at start-up (`load_saes`), which SAE ops are bound to as decoded.
+        self.sae_table = LoadedSAEs()
+        self.programs = ProgramCache(lambda ops: with_pattern_outputs(
+            self.sae_table.bind(ops), self.locations_of, self.values))
         self.lens = ModelLens(self.standard)
         # Under tensor parallelism every rank runs every op (edits must reach every piece), but
         # only rank 0 keeps saves: the client collects from rank 0.
@@ -112,9 +116,20 @@ class Runtime:
         """Canonical locations of a pattern (cached); `LocationError` if it names nothing."""
         found = self._resolved.get(pattern)
         if found is None:
-            found = self._resolved[pattern] = resolve(pattern, self.values,
-                                                      len(self.standard.layers))
+            found = self._resolved[pattern] = (
+                self.sae_table.resolve(pattern) if pattern.startswith(SAE_PATTERN_PREFIX)
+                else resolve(pattern, self.values, len(self.standard.layers)))
         return found
+
+    def load_saes(self, paths: dict[str, str], hf_config: Any) -> None:
+        """Load the engine's SAEs (name -> folder) on the model's device, once, at start-up
+        (`runtime.saes`): those that fail a check are refused by name (`saes`)."""
+        device = next(self._model.parameters()).device
+        self.sae_table.load(paths, self.values, self.resolve, hf_config, device)
+
+    def saes(self) -> dict[str, Any]:
+        """The SAEs loaded (`"loaded"`, as plain data) and refused (`"refused"`, the reasons)."""
+        return {"loaded": self.sae_table.describe(), "refused": dict(self.sae_table.refused)}
 
     def locations_of(self, op: Op) -> list[str]:
         """The canonical locations an op acts at."""

@@ -34,14 +34,14 @@ from vllm.entrypoints.serve.utils.api_utils import (
 from vllm.entrypoints.serve.utils.sse_keep_alive import with_sse_keep_alive
 
 from vllm_runner.engine.compat import check_version
-from vllm_runner.errors import LocationError
+from vllm_runner.errors import LocationError, SAEsRefused
 from vllm_runner.server import routes as server_routes
 from vllm_runner.server.json_ops import InterventionInputError
 from vllm_runner.server.requests import InterpChatCompletionRequest, InterpCompletionRequest
 from vllm_runner.server.routes import error_response
 from vllm_runner.server.settings import ServerSettings
 from vllm_runner.server.state import ServerState
-from vllm_runner.settings import refused_taps_message
+from vllm_runner.settings import refused_saes_message, refused_taps_message
 
 #: The plugin's name, as `VLLM_PLUGINS` must list it.
 PLUGIN_NAME = "vllm_interp"
@@ -209,6 +209,10 @@ class InterpEndpoints:
         if taps["refused"]:  # as `LLM` refuses them: a tap that can never serve stops the start
             raise LocationError(f"--interp-taps / --interp-graph-taps: "
                                 f"{refused_taps_message(taps['refused'])}")
+        (saes, *_) = await engine_client.collective_rpc("interp_saes")
+        if saes["refused"]:  # as `LLM` refuses them
+            raise SAEsRefused(f"--interp-sae: {refused_saes_message(saes['refused'])}",
+                              saes["refused"])
         interp = ServerState(engine_client, ServerSettings.from_environment())
         await interp.learn_shapes()
         if interp.settings.default is not None:

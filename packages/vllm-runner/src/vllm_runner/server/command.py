@@ -7,8 +7,9 @@ asked for `--no-enforce-eager` (as `LLM`'s default, `engine_start.eager_by_defau
 vLLM's compiled engine: steps with programs at locations no tap serves run uncompiled, the
 rest compiled), on a CPU a KV cache that fits the machine (as `LLM` does), and `vllm_interp`
 in `VLLM_PLUGINS`, without which vLLM loads no endpoint plugin.
-`--interp-taps` / `--interp-graph-taps` become the engine's taps (`LLM(taps=, graph_taps=)`) in
-vLLM's `--additional-config`; the other `--interp-*` options are the operator's settings of the
+`--interp-taps` / `--interp-graph-taps` become the engine's taps (`LLM(taps=, graph_taps=)`), and
+each `--interp-sae NAME=PATH` one of its SAEs (`LLM(saes=...)`), in vLLM's
+`--additional-config`; the other `--interp-*` options are the operator's settings of the
 interventions (`server.settings`). Both are taken out before vLLM parses.
 """
 
@@ -22,12 +23,13 @@ from collections.abc import Sequence
 from vllm_runner.client.engine_start import eager_by_default
 from vllm_runner.server import PLUGIN_NAME
 from vllm_runner.server.settings import (
+    SAE_OPTION,
     TAP_OPTIONS,
     ServerSettings,
     option_value,
     split_options,
 )
-from vllm_runner.settings import taps_config
+from vllm_runner.settings import saes_config, taps_config
 
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
 CPU_WORKER = "vllm_runner.engine.cpu_worker.InterpCPUWorker"
@@ -68,28 +70,39 @@ def serve_command(model: str, options: Sequence[str], on_cpu: bool,
 
 def with_taps(options: Sequence[str]) -> list[str]:
     """The options with `--interp-taps PATTERNS` and `--interp-graph-taps PATTERNS`
-    (comma-separated location patterns) turned into vLLM's `--additional-config`, merged into
-    the user's own if given (pure: tested as is); unchanged without them."""
+    (comma-separated location patterns) and each `--interp-sae NAME=PATH` turned into vLLM's
+    `--additional-config`, merged into the user's own if given (pure but for the check that
+    each SAE's path exists: tested as is); unchanged without them."""
     rest: list[str] = []
     taps: dict[str, list[str]] = {name: [] for name in TAP_OPTIONS}
+    saes: dict[str, str] = {}
     config_text = None
     pending = list(options)
     while pending:
         option = pending.pop(0)
         name, has_value, value = option.partition("=")
-        if name not in taps and name != "--additional-config":
+        if name not in taps and name not in ("--additional-config", SAE_OPTION):
             rest.append(option)
             continue
         value = option_value(name, has_value, value, pending)
         if name == "--additional-config":
             config_text = value
             continue
+        if name == SAE_OPTION:
+            sae_name, given, path = value.partition("=")
+            if not given or not sae_name or not path:
+                raise ValueError(f"{SAE_OPTION} {value!r}: give NAME=PATH, e.g. {SAE_OPTION} "
+                                 "res12=/path/to/sae")
+            if sae_name in saes:
+                raise ValueError(f"{SAE_OPTION}: the name {sae_name!r} is given twice")
+            saes[sae_name] = path
+            continue
         patterns = [pattern.strip() for pattern in value.split(",") if pattern.strip()]
         if not patterns:
             raise ValueError(f"{name} {value!r}: give location patterns, comma-separated, e.g. "
                              f"{name} 'layers.*.layer_output'")
         taps[name] += patterns
-    if not any(taps.values()):
+    if not any(taps.values()) and not saes:
         return list(options)
     try:
         config = json.loads(config_text) if config_text is not None else {}
@@ -97,7 +110,10 @@ def with_taps(options: Sequence[str]) -> list[str]:
         raise ValueError(f"--additional-config {config_text!r} is not JSON: {error}") from None
     if not isinstance(config, dict):
         raise ValueError(f"--additional-config {config_text!r}: give a JSON object")
-    config.update(taps_config(taps["--interp-taps"], taps["--interp-graph-taps"]))
+    if any(taps.values()):
+        config.update(taps_config(taps["--interp-taps"], taps["--interp-graph-taps"]))
+    if saes:
+        config.update(saes_config(saes))
     return [*rest, "--additional-config", json.dumps(config)]
 
 

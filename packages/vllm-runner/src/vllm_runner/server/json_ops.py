@@ -145,9 +145,12 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
         raise InterventionInputError(f"{field}.op", f"unknown op {kind!r}; the ops are {known}")
     if kind == "skip":
         item = _skip_item(item, field)
-    if not isinstance(item.get("location"), str):
+    if op_class.PATTERN_FIELD == "location" and not isinstance(item.get("location"), str):
         raise InterventionInputError(f"{field}.location", "a location such as "
                                                           "\"layers.3.layer_output\"")
+    if op_class.PATTERN_FIELD == "sae" and not isinstance(item.get("sae"), str):
+        raise InterventionInputError(f"{field}.sae", "the name of one of the server's SAEs "
+                                                     "(vllm-interp serve --interp-sae NAME=PATH)")
     tensors = _tensor_fields(op_class)
     fields: dict[str, Any] = {}
     for name, value in item.items():
@@ -165,7 +168,8 @@ def op_from_json(item: Any, field: str, vectors: VectorLookup, allow_code: bool)
     try:
         return op_class(**op_class.fields_from_data(fields))
     except TypeError as error:
-        accepted = sorted({item.name for item in dataclasses.fields(op_class)} | {TAG})
+        accepted = sorted({item.name for item in dataclasses.fields(op_class) if item.init}
+                          | {TAG})
         raise InterventionInputError(field, f"{error}; {kind} takes "
                                             f"{', '.join(accepted)}") from None
     except ValueError as error:
@@ -212,6 +216,11 @@ def _field_schema(type_name: str) -> dict[str, Any]:
         "float": {"type": "number"},
         "bool": {"type": "boolean"},
         "int": {"type": "integer", "minimum": 1},
+        "int | None": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+        "dict[int, float]": {"type": "object", "minProperties": 1,
+                             "propertyNames": {"pattern": r"^\d+$"},
+                             "additionalProperties": {"type": "number"},
+                             "description": "feature index -> value, e.g. {\"1234\": 8.0}"},
         "torch.Tensor": {"$ref": "#/$defs/tensor"},
         "torch.Tensor | None": {"anyOf": [{"$ref": "#/$defs/tensor"}, {"type": "null"}]},
         "str | None": {"anyOf": [{"type": "string", "pattern": r"^\w+$"}, {"type": "null"}]},
@@ -234,12 +243,13 @@ def interventions_schema(allow_code: bool = False) -> dict[str, Any]:
     for kind, op_class in OPS_BY_KIND.items():
         if kind in CODE_OPS and not allow_code:
             continue
-        fields = [item for item in dataclasses.fields(op_class)]
+        fields = [item for item in dataclasses.fields(op_class) if item.init]
         properties: dict[str, Any] = {TAG: {"const": kind}}
-        required = [TAG, "location"]
+        required = [TAG, op_class.PATTERN_FIELD]
         for item in fields:
             properties[item.name] = _field_schema(str(item.type))
-            if item.default is dataclasses.MISSING and item.name != "location":
+            if item.default is dataclasses.MISSING and item.default_factory is \
+                    dataclasses.MISSING and item.name != op_class.PATTERN_FIELD:
                 required.append(item.name)
         if kind == "skip":
             properties["location"] = {"type": "string", "pattern": r"^layers\.\d+$"}

@@ -26,6 +26,9 @@ OPTIONS: dict[str, tuple[str, bool]] = {
 #: Options that set the engine's taps (`LLM(taps=, graph_taps=)`), in this order: they travel in
 #: vLLM's `--additional-config` (`server.command.with_taps`), not in the environment.
 TAP_OPTIONS = ("--interp-taps", "--interp-graph-taps")
+#: The option that loads an SAE (`LLM(saes=...)`), once per SAE: `--interp-sae NAME=PATH`; it
+#: travels in vLLM's `--additional-config` too.
+SAE_OPTION = "--interp-sae"
 #: The defaults of the options with a number: (value, smallest allowed).
 NUMBERS: dict[str, tuple[float, float]] = {
     "--interp-max-locations": (256, 1),
@@ -61,7 +64,8 @@ def split_options(options: Sequence[str]) -> tuple[list[str], dict[str, str]]:
             continue
         if name not in OPTIONS:
             raise ValueError(f"unknown option {name}; vllm-interp serve takes "
-                             f"{', '.join([*OPTIONS, *TAP_OPTIONS])} besides vllm serve's own")
+                             f"{', '.join([*OPTIONS, *TAP_OPTIONS, SAE_OPTION])} besides vllm "
+                             "serve's own")
         variable, takes_value = OPTIONS[name]
         if not takes_value:
             if has_value:

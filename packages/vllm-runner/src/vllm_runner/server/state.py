@@ -129,7 +129,8 @@ class ServerState:
             for pattern in op.patterns():
                 found = self._resolved[pattern]
                 if isinstance(found, str):
-                    raise InterventionInputError(f"interventions[{index}].location", found)
+                    raise InterventionInputError(f"interventions[{index}].{op.PATTERN_FIELD}",
+                                                 found)
                 acting_at[-1].extend(found)
             try:
                 check_op_fits(op, self.vocab_size, self.max_model_len)

@@ -1,0 +1,301 @@
+"""The ops in a sparse autoencoder's feature space, by the name the engine loaded the SAE under
+(`LLM(saes={"res12": path})`): read its features (`Features`), steer by its decoder's
+directions (`SteerFeatures`), and clamp features with the reconstruction error kept
+(`ClampFeatures`).
+
+A client names the SAE, never its weights: each op acts at the pattern `sae:<name>`, which the
+workers resolve to the location the SAE reads (one that names no SAE of the engine is refused by
+name, before anything runs). A worker then binds the op to its loaded SAE (`bound`): a steer
+becomes the `Add` of its summed directions, which every path that serves an `Add` serves
+(compiled taps and graph taps included); the others become worker-side ops holding what of the
+SAE they need.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from vllm_runner.ops.base import Op, RowOp, SAELookup
+from vllm_runner.ops.edits import Add, EditOp
+from vllm_runner.ops.value_shape import ValueShape
+
+if TYPE_CHECKING:
+    from saecodec import SAE
+
+    from vllm_runner.runtime.row_serving import Visit
+
+#: How an SAE op names where it acts: `sae:<name>`, resolved by the workers.
+SAE_PATTERN_PREFIX = "sae:"
+
+
+def sae_pattern(name: str) -> str:
+    """The location pattern of the SAE loaded as `name`."""
+    return f"{SAE_PATTERN_PREFIX}{name}"
+
+
+def _check_name(op: SAEOp) -> None:
+    if not isinstance(op.sae, str) or not op.sae or any(c.isspace() for c in op.sae):
+        raise ValueError(f"{type(op).__name__}(sae={op.sae!r}): give the name an SAE was loaded "
+                         "under, e.g. LLM(saes={'res12': '/path/to/sae'}) then sae='res12'")
+
+
+@dataclass(frozen=True)
+class SAEOp(RowOp):
+    """An op at an SAE's location, named by the SAE (`sae`); `positions`, `steps` and `tokens`
+    as for `Save`. Its `location` is the pattern `sae:<name>` (not an argument)."""
+
+    PATTERN_FIELD = "sae"
+
+    location: str = field(init=False, default="")
+    sae: str
+
+    def __post_init__(self) -> None:
+        _check_name(self)
+        object.__setattr__(self, "location", sae_pattern(self.sae))
+        super().__post_init__()
+
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Without `location`, which the SAE's name gives."""
+        return {name: value for name, value in fields.items() if name != "location"}
+
+    def with_saes(self, lookup: SAELookup) -> Op:
+        """Bound to the SAE it names (`bound`)."""
+        return self.bound(*lookup(self.sae))
+
+    def bound(self, sae: SAE, location: str) -> Op:
+        """This op as the worker runs it at canonical `location`, with the SAE loaded there."""
+        raise NotImplementedError(type(self).__name__)
+
+
+@dataclass(frozen=True)
+class Features(SAEOp):
+    """Save the SAE's features of each row it keeps: `saved[f"{sae}.features.indices"]`
+    (int64) and `saved[f"{sae}.features.values"]`, each `[1, positions, top_k]`, the largest
+    first; a slot with no active feature has index -1 and value 0. Only these leave the
+    worker. `top_k=None` keeps every active feature of a TopK SAE (its `k`); an SAE whose
+    features per token have no bound (standard, JumpReLU) needs `top_k`."""
+
+    kind = "features"
+    edits = False
+    #: What it saves: `f"{sae}.{suffix}"`.
+    RESULTS: ClassVar[tuple[str, str]] = ("features.indices", "features.values")
+
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(
+                self.top_k, Integral) or self.top_k < 1):
+            raise ValueError(f"Features(sae={self.sae!r}, top_k={self.top_k!r}): top_k must be "
+                             "a whole number of features, at least 1, or None")
+        super().__post_init__()
+
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`top_k` as a Python int (numpy integers do not travel)."""
+        fields = super().data_fields(fields)
+        return {**fields, "top_k": None if self.top_k is None else int(self.top_k)}
+
+    def saved_names(self, location: str) -> tuple[str, ...]:
+        """The feature indices and values, under the SAE's name."""
+        return tuple(f"{self.sae}.{suffix}" for suffix in self.RESULTS)
+
+    def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
+                      ) -> str | None:
+        """No tensor of its own."""
+        return None
+
+    def bound(self, sae: SAE, location: str) -> Op:
+        """The worker's reader of this SAE's features at `location`."""
+        top_k = self.top_k
+        if top_k is None:
+            if sae.k is None:
+                raise ValueError(f"Features(sae={self.sae!r}): a {sae.architecture} SAE has no "
+                                 "bound on the features active at a token; give top_k (e.g. "
+                                 "top_k=64)")
+            top_k = sae.k
+        if top_k > sae.d_sae:
+            raise ValueError(f"Features(sae={self.sae!r}, top_k={top_k}): the SAE has "
+                             f"{sae.d_sae} features; choose top_k <= {sae.d_sae}")
+        return FeatureReads(location, sae_name=self.sae, sae=sae, top_k=top_k,
+                            positions=self.positions, steps=self.steps, tokens=self.tokens)
+
+
+@dataclass(frozen=True)
+class FeatureReads(RowOp):
+    """`Features` bound to its SAE in a worker (never sent): encode the rows it keeps and save
+    the `top_k` largest features of each."""
+
+    kind = "features"
+    edits = False
+
+    sae_name: str = field(kw_only=True)
+    sae: SAE = field(kw_only=True, repr=False, compare=False)
+    top_k: int = field(kw_only=True)
+
+    def saved_names(self, location: str) -> tuple[str, ...]:
+        """As the `Features` it binds."""
+        return tuple(f"{self.sae_name}.{suffix}" for suffix in Features.RESULTS)
+
+    def top_features(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(indices, values)` of the `top_k` largest features of each row of `rows`
+        (`[1, tokens, d_in]`), each `[1, tokens, top_k]`; -1 (and 0) where fewer are active."""
+        values, indices = self.sae.encode(rows[0]).topk(self.top_k, dim=-1)
+        indices = indices.masked_fill(values == 0, -1)
+        return indices.unsqueeze(0), values.unsqueeze(0)
+
+    def serve(self, visit: Visit) -> None:
+        """Encode the rows the op keeps and save their top features (rank 0 keeps them)."""
+        if visit.token_axis != 1 or len(visit.value.eproperty.layout) != 3:
+            layout = " ".join(visit.value.eproperty.layout)
+            raise ValueError(f"an SAE reads a value of one row per token [batch tokens width]; "
+                             f"{visit.location} is [{layout}]")
+        if not visit.services.keeps_saves:
+            return
+        found = [(first, self.top_features(rows)) for first, rows in self.selected_reads(visit)]
+        self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
+            torch.empty(1, 0, self.top_k, dtype=torch.long, device=device),
+            torch.empty(1, 0, self.top_k, dtype=self.sae.dtype, device=device)))
+
+
+def _check_features(op: SAEOp, features: Any) -> dict[int, float]:
+    """`features` as `{index: value}`, refused by name unless whole indices >= 0 map to finite
+    numbers."""
+    name = f"{type(op).__name__}(sae={op.sae!r})"
+    pairs = features.items() if isinstance(features, dict) else features
+    try:
+        given = [(index, value) for index, value in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: features must map feature indices to values, e.g. "
+                         "{1234: 8.0}") from None
+    if not given:
+        raise ValueError(f"{name}: features is empty; name at least one feature")
+    checked: dict[int, float] = {}
+    for index, value in given:
+        if isinstance(index, bool) or not isinstance(index, Integral) or index < 0:
+            raise ValueError(f"{name}: feature index {index!r} must be a whole number >= 0")
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+            raise ValueError(f"{name}: feature {index} has value {value!r}; give a finite number")
+        checked[int(index)] = float(value)
+    return checked
+
+
+def _indices_in(op: SAEOp, features: dict[int, float], sae: SAE) -> torch.Tensor:
+    """The feature indices as a tensor on the SAE's device, refused by name past `d_sae`."""
+    beyond = [index for index in features if index >= sae.d_sae]
+    if beyond:
+        raise ValueError(f"{type(op).__name__}(sae={op.sae!r}): features {beyond} are not "
+                         f"among the SAE's {sae.d_sae} (indices 0..{sae.d_sae - 1})")
+    return torch.tensor(list(features), dtype=torch.long, device=sae.W_dec.device)
+
+
+@dataclass(frozen=True)
+class _FeatureValues(SAEOp):
+    """An SAE op that takes `features`, `{index: value}`."""
+
+    features: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", _check_features(self, self.features))
+        super().__post_init__()
+
+    def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`features` as `[[index, value], ...]` (plain data with string-free keys)."""
+        fields = super().data_fields(fields)
+        return {**fields, "features": [[index, value] for index, value in self.features.items()]}
+
+    @classmethod
+    def fields_from_data(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """`features` back as a dict; from JSON, an object's keys are the indices as text
+        (anything else is left for the op's own check to name)."""
+        given = fields.get("features")
+        pairs = given.items() if isinstance(given, dict) else given
+        if pairs is None:
+            return fields
+        try:
+            found = {int(index) if isinstance(index, str) and index.isdigit() else index: value
+                     for index, value in pairs}
+        except (TypeError, ValueError):
+            return fields
+        return {**fields, "features": found}
+
+    def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
+                      ) -> str | None:
+        """No tensor of its own."""
+        return None
+
+
+@dataclass(frozen=True)
+class SteerFeatures(_FeatureValues):
+    """Add `value * W_dec[f]`, summed over `features` (`{f: value}`), to the value the SAE reads,
+    on this request's rows: steering by the SAE's decoder directions. Bound in the worker, it is
+    an `Add`, served wherever an `Add` is (inside compiled graphs at graph taps)."""
+
+    kind = "steer_features"
+
+    def bound(self, sae: SAE, location: str) -> Op:
+        """The `Add` of the summed directions, in the SAE's dtype."""
+        indices = _indices_in(self, self.features, sae)
+        values = torch.tensor(list(self.features.values()), dtype=sae.dtype,
+                              device=sae.W_dec.device)
+        return Add(location, values @ sae.W_dec.index_select(0, indices),
+                   positions=self.positions, steps=self.steps, tokens=self.tokens)
+
+
+@dataclass(frozen=True)
+class ClampFeatures(_FeatureValues):
+    """Set `features` (`{f: value}`) of the SAE's encoding of each row and write back
+    `x + decode(f') - decode(f)`: the row with those features changed and the SAE's
+    reconstruction error kept, so clamping a feature to its encoded value changes nothing.
+    Ablate a feature with value 0."""
+
+    kind = "clamp_features"
+
+    def bound(self, sae: SAE, location: str) -> Op:
+        """The worker's clamp, holding the SAE and the features' indices and values."""
+        indices = _indices_in(self, self.features, sae)
+        values = torch.tensor(list(self.features.values()), dtype=sae.dtype,
+                              device=sae.W_dec.device)
+        return FeatureClamp(location, sae_name=self.sae, sae=sae, indices=indices, values=values,
+                            positions=self.positions, steps=self.steps, tokens=self.tokens)
+
+
+@dataclass(frozen=True)
+class FeatureClamp(EditOp):
+    """`ClampFeatures` bound to its SAE in a worker (never sent). Decoding is linear, so
+    `decode(f') - decode(f)` is `(values - f[indices]) @ W_dec[indices]`: only the clamped
+    features' decoder rows are touched, and for an SAE whose features each depend on their own
+    pre-activation alone (standard, JumpReLU) only their encoder columns."""
+
+    kind = "clamp_features"
+
+    sae_name: str = field(kw_only=True)
+    sae: SAE = field(kw_only=True, repr=False, compare=False)
+    indices: torch.Tensor = field(kw_only=True, repr=False, compare=False)
+    values: torch.Tensor = field(kw_only=True, repr=False, compare=False)
+
+    def encoded(self, rows: torch.Tensor) -> torch.Tensor:
+        """The clamped features' values in the SAE's encoding of `rows` (`[..., d_in]`)."""
+        sae = self.sae
+        if sae.architecture == "topk":  # a feature's value depends on the others'
+            return sae.encode(rows).index_select(-1, self.indices)
+        x = rows.to(sae.dtype)
+        if sae.apply_b_dec_to_input:
+            x = x - sae.b_dec
+        hidden = x @ sae.W_enc.index_select(1, self.indices) \
+            + sae.b_enc.index_select(0, self.indices)
+        if sae.architecture == "jumprelu":
+            assert sae.threshold is not None
+            return hidden.relu() * (hidden > sae.threshold.index_select(0, self.indices)).to(
+                hidden.dtype)
+        return hidden.relu()
+
+    def edited(self, current: torch.Tensor, layout: tuple[str, ...],
+               operand: torch.Tensor | None = None) -> torch.Tensor:
+        """`current + (values - f[indices]) @ W_dec[indices]`, added in `current`'s dtype."""
+        change = (self.values - self.encoded(current)) @ self.sae.W_dec.index_select(
+            0, self.indices)
+        return current + change.to(current.dtype)

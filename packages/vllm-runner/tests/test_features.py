@@ -1,0 +1,218 @@
+"""SAE features inside the engine (`LLM(saes=...)`): `Features` equals the SAE's encoding of
+transformers' hidden states at its site; `SteerFeatures` equals transformers with the SAE's
+decoder directions added by a hook; `ClampFeatures` equals transformers with the SAE's edit made
+by hand, and clamping to the encoded value changes nothing. Bad input fails by name, alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import GENERATED, PROMPTS, SUITE_SAES, random_sae
+from saecodec import SAE
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_runner import LLM, LocationError, SAEsRefused, ops
+
+TOLERANCE = 1e-4
+#: The hidden state each suite SAE reads: (index into transformers' hidden states, or the MLP's
+#: output of that layer).
+SITES = {"res1": ("hidden", 2), "mlp0": ("mlp", 0), "pre2": ("hidden", 2)}
+
+
+@pytest.fixture(scope="module")
+def saes(sae_dirs) -> dict[str, SAE]:
+    return {name: SAE.load(path) for name, path in sae_dirs.items()}
+
+
+def _run(llm, programs, prompts=PROMPTS, **sampling):
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=GENERATED, temperature=0.0, **sampling),
+                        interventions=programs, use_tqdm=False)
+
+
+@torch.no_grad()
+def site_values(reference, tokens: list[int], name: str) -> torch.Tensor:
+    """transformers' value at SAE `name`'s site over `tokens`: `[tokens, 128]`."""
+    kind, index = SITES[name]
+    if kind == "hidden":
+        return reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states[index][0]
+    found = []
+    handle = reference.model.layers[index].mlp.register_forward_hook(
+        lambda module, args, output: found.append(output))
+    try:
+        reference(torch.tensor([tokens]))
+    finally:
+        handle.remove()
+    return found[0][0]
+
+
+def dense(indices: torch.Tensor, values: torch.Tensor, d_sae: int) -> torch.Tensor:
+    """`[1, tokens, k]` indices and values (-1: none) as dense `[tokens, d_sae]` features."""
+    out = torch.zeros(indices.shape[1], d_sae + 1)
+    out.scatter_(1, indices[0].clamp(min=-1) % (d_sae + 1), values[0].float())
+    return out[:, :d_sae]
+
+
+def test_the_engine_says_where_each_sae_reads(llm) -> None:
+    assert llm.saes["res1"]["location"] == "layers.1.layer_output"
+    assert llm.saes["mlp0"]["location"] == "layers.0.mlp.mlp_output"  # canonical
+    assert llm.saes["pre2"]["location"] == "layers.2.layer_input"
+    assert {name: found["architecture"] for name, found in llm.saes.items()} == {
+        name: architecture for name, (architecture, _, _) in SUITE_SAES.items()}
+    assert llm.resolve(["sae:res1"]) == {"sae:res1": ["layers.1.layer_output"]}
+
+
+@pytest.mark.parametrize(("name", "top_k"), [("res1", 16), ("mlp0", None), ("pre2", 24)])
+def test_features_equal_the_sae_on_transformers_hidden_states(llm, reference, saes, name,
+                                                              top_k) -> None:
+    """Every position each request ran through (the prompts chunked beside each other): the
+    top features equal the SAE's encoding of transformers' value at the site, top-k kept."""
+    sae = saes[name]
+    outputs = _run(llm, [[ops.Features(sae=name, top_k=top_k)]] * len(PROMPTS))
+    width = top_k or sae.k
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.error is None, output.error
+        assert set(output.saved) == {f"{name}.features.indices", f"{name}.features.values"}
+        indices = output.saved[f"{name}.features.indices"]
+        values = output.saved[f"{name}.features.values"]
+        positions = len(prompt) + GENERATED - 1
+        assert indices.shape == values.shape == (1, positions, width)
+        assert indices.dtype == torch.long
+        expected = sae.encode(site_values(reference, prompt + list(
+            output.outputs[0].token_ids)[:-1], name))
+        kept = expected.topk(width, dim=-1)
+        expected_top = torch.zeros_like(expected).scatter(1, kept.indices, kept.values)
+        got = dense(indices, values, sae.d_sae)
+        assert (got - expected_top).abs().max() <= TOLERANCE
+        assert bool((values[0, :, :-1] >= values[0, :, 1:]).all())  # largest first
+        assert bool(((indices == -1) == (values == 0)).all())
+        assert int((indices >= 0).sum()) > positions  # the check can fail: features are active
+
+
+@torch.no_grad()
+def hooked_greedy(reference, prompt: list[int], layer: int, edit) -> tuple[list[int],
+                                                                           torch.Tensor]:
+    """transformers' greedy tokens with `edit` applied to layer `layer`'s output, and that
+    output (as edited) over the positions the request runs through."""
+    edited: list[torch.Tensor] = []
+
+    def hook(module, args, output):
+        edited.append(edit(output[0] if isinstance(output, tuple) else output))
+        return (edited[-1], *output[1:]) if isinstance(output, tuple) else edited[-1]
+
+    handle = reference.model.layers[layer].register_forward_hook(hook)
+    try:
+        tokens = list(prompt)
+        for _ in range(GENERATED):
+            tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+        reference(torch.tensor([tokens[:-1]]))
+    finally:
+        handle.remove()
+    return tokens[len(prompt):], edited[-1]
+
+
+def test_steer_features_equals_transformers_with_the_directions_added(llm, reference,
+                                                                      saes) -> None:
+    """The steered request generates what transformers does with `4 W_dec[3] - 2 W_dec[10]`
+    added to layer 1's output; the requests beside it generate as without it."""
+    sae = saes["res1"]
+    direction = 4.0 * sae.W_dec[3] - 2.0 * sae.W_dec[10]
+    steer = ops.SteerFeatures(sae="res1", features={3: 4.0, 10: -2.0})
+    outputs = _run(llm, [[steer, ops.Save("layers.1.layer_output")], [], []])
+    plain = _run(llm, None)
+    expected_tokens, expected_hidden = hooked_greedy(reference, PROMPTS[0], 1,
+                                                     lambda hidden: hidden + direction)
+    assert outputs[0].error is None, outputs[0].error
+    assert list(outputs[0].outputs[0].token_ids) == expected_tokens
+    assert (outputs[0].saved["layers.1.layer_output"] - expected_hidden).abs().max() <= TOLERANCE
+    assert expected_tokens != list(plain[0].outputs[0].token_ids)  # the check can fail
+    for steered, alone in zip(outputs[1:], plain[1:], strict=True):
+        assert list(steered.outputs[0].token_ids) == list(alone.outputs[0].token_ids)
+
+
+def test_clamp_features_equals_the_sae_edit_made_by_hand(llm, reference, saes) -> None:
+    """Clamping features 3 and 7 to 6.0 and 0.0 writes back `x + decode(f') - decode(f)` at
+    layer 1's output: transformers with that edit by hand generates the same tokens, and the
+    saved output is the edited one."""
+    sae = saes["res1"]
+
+    def clamped(hidden: torch.Tensor) -> torch.Tensor:
+        features = sae.encode(hidden)
+        changed = features.clone()
+        changed[..., 3], changed[..., 7] = 6.0, 0.0
+        return hidden + sae.decode(changed) - sae.decode(features)
+
+    clamp = ops.ClampFeatures(sae="res1", features={3: 6.0, 7: 0.0})
+    (output, *_) = _run(llm, [[clamp, ops.Save("layers.1.layer_output")], [], []])
+    expected_tokens, expected_hidden = hooked_greedy(reference, PROMPTS[0], 1, clamped)
+    assert output.error is None, output.error
+    assert list(output.outputs[0].token_ids) == expected_tokens
+    assert (output.saved["layers.1.layer_output"] - expected_hidden).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize(("name", "every_active"), [("res1", 512), ("mlp0", None)])
+def test_clamping_to_the_encoded_value_changes_nothing(llm, saes, name, every_active) -> None:
+    """A feature clamped, at one position, to the value the SAE gives it there (read by
+    `Features`), and one inactive everywhere clamped to 0: the tokens and every later value are
+    those of the request without the clamp."""
+    prompt = PROMPTS[1]
+    later = "layers.2.layer_output"
+    (read,) = _run(llm, [[ops.Features(sae=name, top_k=every_active), ops.Save(later)]],
+                   [prompt])
+    indices, values = read.saved[f"{name}.features.indices"], read.saved[
+        f"{name}.features.values"]
+    feature, value = int(indices[0, 4, 0]), float(values[0, 4, 0])
+    assert value > 0  # the check can fail: a feature active at position 4
+    inactive = int(next(f for f in range(saes[name].d_sae) if not bool((indices == f).any())))
+    (clamped,) = _run(llm, [[ops.ClampFeatures(sae=name, features={feature: value},
+                                               positions=(4,)),
+                             ops.ClampFeatures(sae=name, features={inactive: 0.0}),
+                             ops.Save(later)]], [prompt])
+    assert clamped.error is None, clamped.error
+    assert list(clamped.outputs[0].token_ids) == list(read.outputs[0].token_ids)
+    assert (clamped.saved[later] - read.saved[later]).abs().max() <= 1e-5
+
+
+def test_bad_sae_input_fails_by_name_and_alone(llm) -> None:
+    """An unknown SAE is refused before anything runs; a feature past the SAE's width or an
+    unbounded read fail their own request, naming it, and the others run."""
+    with pytest.raises(LocationError, match=r"no SAE named 'res9'.*res1"):
+        _run(llm, [[ops.Features(sae="res9", top_k=4)]] * len(PROMPTS))
+    with pytest.raises(ValueError, match=r"feature 3 has value nan"):
+        ops.SteerFeatures(sae="res1", features={3: float("nan")})
+    with pytest.raises(ValueError, match=r"feature index -1"):
+        ops.ClampFeatures(sae="res1", features={-1: 0.0})
+    outputs = _run(llm, [[ops.SteerFeatures(sae="res1", features={512: 1.0})],
+                         [ops.Features(sae="res1")], [ops.Save("layers.0.layer_output")]])
+    assert "features [512] are not among the SAE's 512" in outputs[0].error
+    assert "jumprelu SAE has no bound" in outputs[1].error and "top_k" in outputs[1].error
+    assert outputs[2].error is None and outputs[2].saved["layers.0.layer_output"].shape[1] == 2 \
+        + GENERATED
+
+
+def test_sae_ops_travel_as_plain_data() -> None:
+    for op in (ops.Features(sae="res1", top_k=3, positions=(-1,)),
+               ops.SteerFeatures(sae="res1", features={3: 4.0}, steps="decode"),
+               ops.ClampFeatures(sae="res1", features={1: 0.5, 2: 0.0}, tokens=(5,))):
+        assert ops.op_from_data(op.to_data()) == op
+        assert op.location == "sae:res1"
+    with pytest.raises(ValueError, match="give the name an SAE was loaded under"):
+        ops.Features(sae="")
+
+
+@pytest.mark.first_pass_only
+def test_an_sae_the_model_cannot_serve_is_refused_at_start(model_dir, tmp_path) -> None:
+    """A width not the model's and a site with no standard location: the engine refuses both
+    by name at start-up, and shuts down."""
+    from conftest import ENGINE_MEMORY
+
+    random_sae("standard", "blocks.1.hook_resid_post", d_in=64).save(tmp_path / "narrow")
+    random_sae("standard", "blocks.1.hook_attn_scores").save(tmp_path / "odd")
+    with pytest.raises(SAEsRefused) as refused:
+        LLM(model_dir, dtype="float32", **ENGINE_MEMORY, max_model_len=128,
+            enforce_eager=True, saes={"narrow": tmp_path / "narrow", "odd": tmp_path / "odd"})
+    assert set(refused.value.refused) == {"narrow", "odd"}
+    assert "64 wide activations, but layers.1.layer_output is 128 wide" in str(refused.value)
+    assert "blocks.1.hook_attn_scores" in refused.value.refused["odd"]
+    with pytest.raises(ValueError, match=r"saes\['gone'\].*does not exist"):
+        LLM(model_dir, saes={"gone": tmp_path / "missing"})
