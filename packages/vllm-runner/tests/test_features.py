@@ -200,6 +200,23 @@ def test_sae_ops_travel_as_plain_data() -> None:
         ops.Features(sae="")
 
 
+def test_saes_load_into_a_running_engine(llm, tmp_path) -> None:
+    """`llm.load_saes`: a new SAE serves at once; a name already taken, or an SAE of another
+    width, is refused by name and the others load."""
+    random_sae("standard", "blocks.0.hook_resid_post", seed=9).save(tmp_path / "later")
+    random_sae("standard", "blocks.0.hook_resid_post", d_in=64).save(tmp_path / "narrow")
+    with pytest.raises(SAEsRefused) as refused:
+        llm.load_saes({"later0": tmp_path / "later", "res1": tmp_path / "later",
+                       "narrow0": tmp_path / "narrow"})
+    assert set(refused.value.refused) == {"res1", "narrow0"}
+    assert "already loaded" in refused.value.refused["res1"]
+    assert llm.saes["later0"]["location"] == "layers.0.layer_output"
+    assert llm.saes["res1"]["architecture"] == "jumprelu"  # unchanged
+    (output,) = _run(llm, [[ops.Features(sae="later0", top_k=4)]], [PROMPTS[0]])
+    assert output.error is None and output.saved["later0.features.values"].shape == (
+        1, len(PROMPTS[0]) + GENERATED - 1, 4)
+
+
 @pytest.mark.first_pass_only
 def test_an_sae_the_model_cannot_serve_is_refused_at_start(model_dir, tmp_path) -> None:
     """A width not the model's and a site with no standard location: the engine refuses both

@@ -27,7 +27,7 @@ from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.ops.program import check_ops
-from vllm_runner.settings import refused_saes_message
+from vllm_runner.settings import SAES_KEY, refused_saes_message, saes_config
 
 logger = logging.getLogger("vllm.interp")
 
@@ -83,6 +83,14 @@ class AsyncLLM:
         if answer["refused"]:
             raise SAEsRefused(refused_saes_message(answer["refused"]), answer["refused"])
         return dict(answer["loaded"])
+
+    async def load_saes(self, saes: Mapping[str, str | os.PathLike[str]]) -> None:
+        """Load more SAEs into the running engine (as `LLM.load_saes`)."""
+        paths = saes_config(dict(saes))[SAES_KEY]
+        (answer, *_) = await self.engine.collective_rpc("interp_load_saes", args=(paths,))
+        if refused := {name: answer["refused"][name] for name in paths
+                       if name in answer["refused"]}:
+            raise SAEsRefused(refused_saes_message(refused), refused)
 
     async def resolve(self, patterns: Sequence[str]) -> dict[str, list[str]]:
         """The canonical locations each pattern names; `LocationError` for one that names

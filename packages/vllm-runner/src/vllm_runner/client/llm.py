@@ -43,6 +43,7 @@ from vllm_runner.ops.program import check_ops
 from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
+    SAES_KEY,
     device_saves_limit,
     read_mode,
     refused_saes_message,
@@ -250,6 +251,17 @@ class LLM:
         self._gone = why
         with contextlib.suppress(Exception):  # the refusal is what the caller must see
             self.engine.llm_engine.engine_core.shutdown()
+
+    def load_saes(self, saes: Mapping[str, str | os.PathLike[str]]) -> None:
+        """Load more SAEs into the running engine (`{"res1": "/path/to/sae"}`, as `saes=`
+        at start-up): each worker loads them once. `SAEsRefused` names those it refused (the
+        others are loaded), e.g. a name already taken (an SAE's name keeps its meaning)."""
+        paths = saes_config(dict(saes))[SAES_KEY]
+        answer = self._rpc("interp_load_saes", (paths,))[0]
+        self._saes = answer["loaded"]
+        if refused := {name: answer["refused"][name] for name in paths
+                       if name in answer["refused"]}:
+            raise SAEsRefused(refused_saes_message(refused), refused)
 
     @property
     def saes(self) -> dict[str, dict[str, Any]]:

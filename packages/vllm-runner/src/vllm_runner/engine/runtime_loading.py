@@ -31,7 +31,7 @@ def load_runtime(runner: Any) -> None:
     runtime.compiled = runner.interp_compiles = compiles(runner.vllm_config)
     install_taps(runtime, runner.vllm_config)
     if saes := (runner.vllm_config.additional_config or {}).get(SAES_KEY):
-        runtime.load_saes(saes, runner.model_config.hf_config)
+        runtime.load_saes(saes)
         for name, reason in runtime.sae_table.refused.items():
             logger.warning("vllm-runner: SAE %r refused: %s", name, reason)
     door: EngineDoor = runtime  # what the adapters and the worker's RPCs may use of it

@@ -100,6 +100,11 @@ class WorkerRPC:
         sizes) and those it refused, with the reasons (`"refused"`)."""
         return _door(self).saes()
 
+    def interp_load_saes(self, paths: dict[str, str]) -> dict[str, Any]:
+        """Load more SAEs (name -> folder) on this worker (`LLM.load_saes`); `interp_saes`'s
+        answer after."""
+        return _door(self).load_saes(paths)
+
     def interp_forwards(self) -> dict[str, int]:
         """Forwards run so far, by path (`Runtime.forwards`)."""
         return dict(_door(self).forwards)

@@ -104,8 +104,11 @@ class WorkerDoor(Protocol):
         """The canonical locations a pattern names."""
 
     def saes(self) -> dict[str, Any]:
-        """The SAEs loaded at start-up (`"loaded"`, each as plain data) and those refused, with
-        the reasons (`"refused"`)."""
+        """The SAEs loaded (`"loaded"`, each as plain data) and those refused, with the reasons
+        (`"refused"`)."""
+
+    def load_saes(self, paths: dict[str, str]) -> dict[str, Any]:
+        """Load more SAEs (name -> folder); `saes()` after."""
 
     def edit_refusal(self, location: str) -> str | None:
         """Why a value cannot be edited, or `None`."""

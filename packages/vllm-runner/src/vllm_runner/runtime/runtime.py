@@ -66,6 +66,7 @@ class Runtime:
                  device_saves_limit: int | None = None) -> None:
         self.device_saves_limit = device_saves_limit
         self._model = model
+        self._hf_config = hf_config
         self.standard = standardize(model, hf_config)
         self.values = self.standard.values()
         self.store = SaveStore()
@@ -121,11 +122,12 @@ class Runtime:
                 else resolve(pattern, self.values, len(self.standard.layers)))
         return found
 
-    def load_saes(self, paths: dict[str, str], hf_config: Any) -> None:
-        """Load the engine's SAEs (name -> folder) on the model's device, once, at start-up
-        (`runtime.saes`): those that fail a check are refused by name (`saes`)."""
+    def load_saes(self, paths: dict[str, str]) -> dict[str, Any]:
+        """Load SAEs (name -> folder) on the model's device (`runtime.saes`), at start-up or
+        later (`LLM.load_saes`): those that fail a check are refused by name. Returns `saes()`."""
         device = next(self._model.parameters()).device
-        self.sae_table.load(paths, self.values, self.resolve, hf_config, device)
+        self.sae_table.load(paths, self.values, self.resolve, self._hf_config, device)
+        return self.saes()
 
     def saes(self) -> dict[str, Any]:
         """The SAEs loaded (`"loaded"`, as plain data) and refused (`"refused"`, the reasons)."""

@@ -68,6 +68,10 @@ class LoadedSAEs:
         by canonical location; `resolve` gives a location's canonical name), or whose width is
         not that value's."""
         for name, path in paths.items():
+            self.refused.pop(name, None)
+            if name in self.loaded:  # programs decoded before are bound to the one loaded
+                self.refused[name] = "an SAE is already loaded under this name; choose another"
+                continue
             try:
                 self.loaded[name] = self._checked(path, values, resolve, hf_config, device)
             except (OSError, ValueError) as error:  # LocationError is a ValueError
