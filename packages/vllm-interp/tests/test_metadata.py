@@ -1,4 +1,4 @@
-"""The meta-package installs the four packages at versions its ranges admit, and ships no code."""
+"""The meta-package installs the five packages at versions its ranges admit, and ships no code."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from importlib.metadata import distribution, version
 
 from packaging.requirements import Requirement
 
-STACK = {"tokenspan", "tpfragments", "vllm-envoys", "vllm-runner"}
+STACK = {"tokenspan", "tpfragments", "saecodec", "vllm-envoys", "vllm-runner"}
 
 
 def test_it_requires_the_whole_stack_and_the_installed_versions_fit() -> None:

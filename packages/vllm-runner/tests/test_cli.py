@@ -197,7 +197,7 @@ def test_a_failed_prompt_in_extract_is_one_line_and_exit_1(monkeypatch, tmp_path
         def generate(self, *args, **kwargs):
             return [failed]
 
-    monkeypatch.setattr(cli, "_llm", lambda arguments: Engine())
+    monkeypatch.setattr(cli, "_llm", lambda arguments, saes=None: Engine())
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hi\n")
     code = cli.main(["extract", "--prompts", str(prompts), "--save", "layers.0.layer_output",

@@ -5,9 +5,13 @@ by hand, and clamping to the encoded value changes nothing. Bad input fails by n
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import GENERATED, PROMPTS, SUITE_SAES, random_sae
+from conftest import GENERATED, PROMPTS, SUITE_SAES, engine_script_environment, random_sae
 from saecodec import SAE
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -217,19 +221,33 @@ def test_saes_load_into_a_running_engine(llm, tmp_path) -> None:
         1, len(PROMPTS[0]) + GENERATED - 1, 4)
 
 
+REFUSED_AT_START = """
+import json, sys
+from vllm_runner import LLM, SAEsRefused
+try:
+    LLM(sys.argv[1], dtype="float32", max_model_len=128, kv_cache_memory_bytes=64 << 20,
+        gpu_memory_utilization=0.15, enforce_eager=True, saes=json.loads(sys.argv[2]))
+except SAEsRefused as refused:
+    print(json.dumps({"message": str(refused), "refused": refused.refused}))
+"""
+
+
 @pytest.mark.first_pass_only
 def test_an_sae_the_model_cannot_serve_is_refused_at_start(model_dir, tmp_path) -> None:
     """A width not the model's and a site with no standard location: the engine refuses both
-    by name at start-up, and shuts down."""
-    from conftest import ENGINE_MEMORY
-
+    by name at start-up, and shuts down (in a process of its own: an in-process engine shut
+    down takes vLLM's process-wide parallel state with it); a path that does not exist is
+    refused before any engine starts."""
     random_sae("standard", "blocks.1.hook_resid_post", d_in=64).save(tmp_path / "narrow")
     random_sae("standard", "blocks.1.hook_attn_scores").save(tmp_path / "odd")
-    with pytest.raises(SAEsRefused) as refused:
-        LLM(model_dir, dtype="float32", **ENGINE_MEMORY, max_model_len=128,
-            enforce_eager=True, saes={"narrow": tmp_path / "narrow", "odd": tmp_path / "odd"})
-    assert set(refused.value.refused) == {"narrow", "odd"}
-    assert "64 wide activations, but layers.1.layer_output is 128 wide" in str(refused.value)
-    assert "blocks.1.hook_attn_scores" in refused.value.refused["odd"]
+    saes = {"narrow": str(tmp_path / "narrow"), "odd": str(tmp_path / "odd")}
+    ran = subprocess.run([sys.executable, "-c", REFUSED_AT_START, model_dir, json.dumps(saes)],
+                         env=engine_script_environment(), capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    answer = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert set(answer["refused"]) == {"narrow", "odd"}
+    assert "64 wide activations, but layers.1.layer_output is 128 wide" in answer["message"]
+    assert "blocks.1.hook_attn_scores" in answer["refused"]["odd"]
     with pytest.raises(ValueError, match=r"saes\['gone'\].*does not exist"):
         LLM(model_dir, saes={"gone": tmp_path / "missing"})
