@@ -75,6 +75,20 @@ def refuse_unless(config: dict[str, Any], key: str, path: Path, allowed: Iterabl
         raise SAEFormatError(path, f"{key}={value!r}: {why}", key)
 
 
+def read_site(config: dict[str, Any], path: Path, key_in: str, key_out: str,
+              what: str) -> str | None:
+    """The site an SAE's config names under `key_in` (`what` it is: "a module path", "a hook
+    name"), or `None`; a config whose `key_out` names another site is a transcoder's (it
+    writes elsewhere than it reads), refused by name."""
+    hook_in, hook_out = config.get(key_in), config.get(key_out)
+    if hook_out is not None and hook_out != hook_in:
+        raise SAEFormatError(path, f"{key_out} {hook_out!r} differs from {key_in} {hook_in!r}: "
+                             "a transcoder, which this package does not model", key_out)
+    if hook_in is not None and not isinstance(hook_in, str):
+        raise SAEFormatError(path, f"{key_in}={hook_in!r} is not {what}", key_in)
+    return hook_in
+
+
 def read_safetensors(path: Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors `names` in safetensors file `path` (all of them if `names` is None); a
     missing file, a foreign file or a missing tensor is refused by name."""

@@ -34,6 +34,7 @@ from saecodec.formats._files import (
     integer,
     read_json,
     read_safetensors,
+    read_site,
     refuse_unless,
     settle_site,
     take,
@@ -82,14 +83,8 @@ def load_gemma_scope_2(folder: Path, site: Site | None = None) -> SAE:
                   "transcoders and cross-layer transcoders are not SAEs this package models")
     refuse_unless(config, "affine_connection", config_path, [None, False],
                   "an affine skip connection (a transcoder's) is not modelled here")
-    hook_in, hook_out = config.get("hf_hook_point_in"), config.get("hf_hook_point_out")
-    if hook_out is not None and hook_out != hook_in:
-        raise SAEFormatError(config_path, f"hf_hook_point_out {hook_out!r} differs from "
-                             f"hf_hook_point_in {hook_in!r}: a transcoder, which this package "
-                             "does not model", "hf_hook_point_out")
-    if hook_in is not None and not isinstance(hook_in, str):
-        raise SAEFormatError(config_path, f"hf_hook_point_in={hook_in!r} is not a module path",
-                             "hf_hook_point_in")
+    hook_in = read_site(config, config_path, "hf_hook_point_in", "hf_hook_point_out",
+                        "a module path")
     raw = take(read_safetensors(params), params, ["w_enc", "b_enc", "w_dec", "b_dec",
                                                   "threshold"],
                refused={"affine_skip_connection": "an affine skip connection (a transcoder's), "

@@ -34,6 +34,7 @@ from saecodec.formats._files import (
     number,
     read_json,
     read_safetensors,
+    read_site,
     refuse_unless,
     settle_site,
     take,
@@ -55,14 +56,7 @@ def load(folder: Path, site: Site | None = None) -> SAE:
     for key in ("apply_decoder_bias_to_pre_encoder", "use_glu_encoder"):
         refuse_unless(config, key, config_path, [None, False],
                       "not modelled here (SAELens's loader ignores it too)")
-    hook_in, hook_out = config.get("hook_point_in"), config.get("hook_point_out")
-    if hook_out is not None and hook_out != hook_in:
-        raise SAEFormatError(config_path, f"hook_point_out {hook_out!r} differs from "
-                             f"hook_point_in {hook_in!r}: a transcoder, which this package "
-                             "does not model", "hook_point_out")
-    if hook_in is not None and not isinstance(hook_in, str):
-        raise SAEFormatError(config_path, f"hook_point_in={hook_in!r} is not a hook name",
-                             "hook_point_in")
+    hook_in = read_site(config, config_path, "hook_point_in", "hook_point_out", "a hook name")
     d_model = integer(config, "d_model", config_path)
     threshold = number(config, "jump_relu_threshold", config_path)
     norm = _norm_in(config, config_path)
