@@ -21,7 +21,11 @@ Arms: (a) our LLM, no interventions; (b) Save one layer's layer_output on every 
 layer on 10% of requests; (f) Save one layer's attention_probabilities; (g) Save every layer's
 mlp_neurons; (hf) transformers' batched `generate` with a forward hook capturing one layer —
 what users run today — compared with the bare engine the same way; (graphs, `--graphs`) vLLM's
-default engine with CUDA graphs and compilation, which hooks cannot run inside.
+default engine with CUDA graphs and compilation, which hooks cannot run inside. Asked for by
+name (`--arms`), in a random JumpReLU SAE's feature space at the middle layer's output
+(`--sae-width` features, loaded with `LLM.load_saes`; speed depends on its shape, not its
+values): (sf) `Features`, the top 64 per token, every request; (ss) `SteerFeatures` by one
+feature, every request; (sc) `ClampFeatures` of one feature, every request.
 
 A separate process then measures peak memory while saving every layer (`--memory`).
 """
@@ -70,7 +74,12 @@ NAMES = {
     "g": "Save every layer's mlp_neurons, every request",
     "hf": "transformers generate + a hook capturing one layer",
     "graphs": "vLLM's default engine (CUDA graphs, compiled), no interventions",
+    "sf": "an SAE's top-64 Features at one layer, every request",
+    "ss": "SteerFeatures by one SAE feature at one layer, every request",
+    "sc": "ClampFeatures of one SAE feature at one layer, every request",
 }
+SAE_ARMS = ("sf", "ss", "sc")
+SAE_NAME = "middle"
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,28 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list] | 
         return [[ops.Save(f"layers.{middle}.attention_probabilities")]] * requests
     if arm == "g":
         return [[ops.Save("layers.*.mlp_neurons")]] * requests
+    if arm == "sf":
+        return [[ops.Features(sae=SAE_NAME, top_k=64)]] * requests
+    if arm == "ss":
+        return [[ops.SteerFeatures(sae=SAE_NAME, features={7: 4.0})]] * requests
+    if arm == "sc":
+        return [[ops.ClampFeatures(sae=SAE_NAME, features={7: 0.0})]] * requests
     raise ValueError(f"unknown arm {arm!r}")
+
+
+def random_sae_folder(hidden: int, width: int, layer: int) -> str:
+    """A random JumpReLU SAE of `width` features at layer `layer`'s output, in SAELens's format,
+    in a new temporary folder."""
+    from saecodec import SAE, Site
+
+    generator = torch.Generator().manual_seed(1)
+    sae = SAE("jumprelu", torch.randn(hidden, width, generator=generator) / hidden ** 0.5,
+              torch.zeros(width), torch.randn(width, hidden, generator=generator) / hidden ** 0.5,
+              torch.zeros(hidden), threshold=torch.full((width,), 0.5),
+              site=Site(hook_name=f"blocks.{layer}.hook_resid_post"))
+    folder = tempfile.mkdtemp()
+    sae.save(folder)
+    return folder
 
 
 def timed(run: Callable[[], object]) -> float:
@@ -199,6 +229,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--arms", default="a,b,c,d,e,f,g,hf")
+    parser.add_argument("--sae-width", type=int, default=16384,
+                        help="features of the SAE arms' random SAE (default: 16384)")
     parser.add_argument("--graphs", action="store_true",
                         help="also time vLLM's default engine (CUDA graphs, compilation) "
                              "against the eager bare engine (GPU)")
@@ -234,6 +266,9 @@ def main() -> None:
     # unless told otherwise (compiled_bench.py measures ours compiled).
     ours = LLM(model, enforce_eager=True, **settings)
     model_dir = ours.llm_engine.model_config.model
+    if any(arm in SAE_ARMS for arm in arms):
+        ours.load_saes({SAE_NAME: random_sae_folder(ours.hidden_size, arguments.sae_width,
+                                                    ours.num_layers // 2)})
     bare = vllm.LLM(model_dir, enforce_eager=True, **settings)
     default = vllm.LLM(model_dir, **settings) if "graphs" in arms else None
     generator = torch.Generator().manual_seed(0)

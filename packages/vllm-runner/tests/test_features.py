@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import GENERATED, PROMPTS, SUITE_SAES, engine_script_environment, random_sae
 from saecodec import SAE
+from test_lens import answers_of
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, LocationError, SAEsRefused, ops
@@ -68,11 +69,14 @@ def test_the_engine_says_where_each_sae_reads(llm) -> None:
 
 @pytest.mark.parametrize(("name", "top_k"), [("res1", 16), ("mlp0", None), ("pre2", 24)])
 def test_features_equal_the_sae_on_transformers_hidden_states(llm, reference, saes, name,
-                                                              top_k) -> None:
-    """Every position each request ran through (the prompts chunked beside each other): the
-    top features equal the SAE's encoding of transformers' value at the site, top-k kept."""
+                                                              top_k, monkeypatch) -> None:
+    """Every position each request ran through (the prompts chunked beside each other, their
+    rows encoded together: one pass over the encoder a step): the top features equal the SAE's
+    encoding of transformers' value at the site, top-k kept."""
     sae = saes[name]
+    joined = answers_of(monkeypatch, "_results_together")
     outputs = _run(llm, [[ops.Features(sae=name, top_k=top_k)]] * len(PROMPTS))
+    assert joined and all(joined)
     width = top_k or sae.k
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.error is None, output.error
@@ -113,6 +117,21 @@ def hooked_greedy(reference, prompt: list[int], layer: int, edit) -> tuple[list[
     finally:
         handle.remove()
     return tokens[len(prompt):], edited[-1]
+
+
+def test_features_at_each_prompts_last_token_are_encoded_together(llm, reference, saes,
+                                                                  monkeypatch) -> None:
+    """`positions=(-1,)` on every prompt: the rows kept are gathered and encoded once a step,
+    and each request's one row equals the SAE's encoding of transformers' last prompt row."""
+    joined = answers_of(monkeypatch, "_results_selected_together")
+    outputs = _run(llm, [[ops.Features(sae="res1", top_k=5, positions=(-1,))]] * len(PROMPTS))
+    assert joined and all(joined)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.error is None, output.error
+        expected = saes["res1"].encode(site_values(reference, prompt, "res1")[-1:]).topk(5)
+        assert output.saved["res1.features.values"].shape == (1, 1, 5)
+        assert torch.allclose(output.saved["res1.features.values"][0], expected.values,
+                              atol=TOLERANCE)
 
 
 def test_steer_features_equals_transformers_with_the_directions_added(llm, reference,

@@ -58,7 +58,7 @@ def test_requests_running_one_lens_are_served_together_each_equal_to_transformer
     step for all, a few rows at a time here) and each request's top-k equals transformers' on
     its own tokens."""
     monkeypatch.setattr(lens, "LENS_ROWS", 3)
-    joined = answers_of(monkeypatch, "_lens_together")
+    joined = answers_of(monkeypatch, "_results_together")
     outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
                            SamplingParams(max_tokens=GENERATED, temperature=0.0),
                            interventions=[[ops.Lens("layers.1.layer_output", top_k=5)]] * 3,
@@ -81,7 +81,7 @@ def test_the_logit_lens_at_each_prompts_last_token_is_served_together_equal_to_t
     """The usual probe — `Lens(..., positions=(-1,))` at every layer on many prompts — has the
     rows it keeps gathered and projected once a step for all the requests (not one lens each),
     and each request's one row equals transformers' top-k at its prompt's last token."""
-    joined = answers_of(monkeypatch, "_lens_selected_together")
+    joined = answers_of(monkeypatch, "_results_selected_together")
     outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in PROMPTS],
                            SamplingParams(max_tokens=GENERATED, temperature=0.0),
                            interventions=[[ops.Lens("layers.*.layer_output", top_k=3,

@@ -629,7 +629,7 @@ def test_filtered_saves_and_lenses_served_together_equal_each_request_served_alo
     raw = (rows, rows / 3) if stream else rows
     value = (stream_value if stream else residual_value)(Toy())
     together, alone = (row_serving.Services(SaveStore(), fake_lens) for _ in range(2))
-    way = "_save_selected_together" if kind == "save" else "_lens_selected_together"
+    way = "_save_selected_together" if kind == "save" else "_results_selected_together"
     assert served_through(way, value, raw, plan.tokens, together) == [True]
     (group,) = plan.tokens.wants["layers.0.layer_output"]
     for want in group:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from vllm_runner.ops.call import Call
     from vllm_runner.ops.edits import EditOp
-    from vllm_runner.ops.reads import Lens, Save
+    from vllm_runner.ops.reads import RowResults, Save
     from vllm_runner.runtime.row_serving import Visit
 
 
@@ -46,7 +46,7 @@ class GroupServer(Protocol):
 
     def save(self, op: Save) -> bool: ...
 
-    def lens(self, op: Lens) -> bool: ...
+    def results(self, op: RowResults) -> bool: ...
 
     def edit(self, op: EditOp) -> bool: ...
 

@@ -22,12 +22,13 @@ import torch
 
 from vllm_runner.ops.base import Op, RowOp, SAELookup
 from vllm_runner.ops.edits import Add, EditOp
+from vllm_runner.ops.reads import RowResults
 from vllm_runner.ops.value_shape import ValueShape
 
 if TYPE_CHECKING:
     from saecodec import SAE
 
-    from vllm_runner.runtime.row_serving import Visit
+    from vllm_runner.runtime.row_serving import Services, Visit
 
 #: How an SAE op names where it acts: `sae:<name>`, resolved by the workers.
 SAE_PATTERN_PREFIX = "sae:"
@@ -125,12 +126,12 @@ class Features(SAEOp):
 
 
 @dataclass(frozen=True)
-class FeatureReads(RowOp):
+class FeatureReads(RowResults):
     """`Features` bound to its SAE in a worker (never sent): encode the rows it keeps and save
-    the `top_k` largest features of each."""
+    the `top_k` largest features of each; requests running the same one are encoded together
+    (one pass over the encoder's weights for all their rows)."""
 
     kind = "features"
-    edits = False
 
     sae_name: str = field(kw_only=True)
     sae: SAE = field(kw_only=True, repr=False, compare=False)
@@ -140,12 +141,14 @@ class FeatureReads(RowOp):
         """As the `Features` it binds."""
         return tuple(f"{self.sae_name}.{suffix}" for suffix in Features.RESULTS)
 
-    def top_features(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_results(self, rows: torch.Tensor, services: Services) -> tuple[torch.Tensor, ...]:
         """`(indices, values)` of the `top_k` largest features of each row of `rows`
-        (`[1, tokens, d_in]`), each `[1, tokens, top_k]`; -1 (and 0) where fewer are active."""
+        (`[1, tokens, d_in]`), each `[tokens, top_k]`; -1 (and 0) where fewer are active."""
+        if rows.dim() != 3:
+            raise ValueError(f"an SAE reads a value of one row per token [batch tokens width], "
+                             f"not one of shape {list(rows.shape)}")
         values, indices = self.sae.encode(rows[0]).topk(self.top_k, dim=-1)
-        indices = indices.masked_fill(values == 0, -1)
-        return indices.unsqueeze(0), values.unsqueeze(0)
+        return indices.masked_fill(values == 0, -1), values
 
     def serve(self, visit: Visit) -> None:
         """Encode the rows the op keeps and save their top features (rank 0 keeps them)."""
@@ -155,7 +158,8 @@ class FeatureReads(RowOp):
                              f"{visit.location} is [{layout}]")
         if not visit.services.keeps_saves:
             return
-        found = [(first, self.top_features(rows)) for first, rows in self.selected_reads(visit)]
+        found = [(first, tuple(result.unsqueeze(0) for result in self.row_results(
+            rows, visit.services))) for first, rows in self.selected_reads(visit)]
         self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
             torch.empty(1, 0, self.top_k, dtype=torch.long, device=device),
             torch.empty(1, 0, self.top_k, dtype=self.sae.dtype, device=device)))

@@ -18,7 +18,7 @@ from vllm_runner.ops.checks import (
 from vllm_runner.ops.value_shape import ValueShape
 
 if TYPE_CHECKING:
-    from vllm_runner.runtime.row_serving import Visit
+    from vllm_runner.runtime.row_serving import Services, Visit
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,29 @@ class Save(RowOp):
 
 
 @dataclass(frozen=True)
-class Lens(RowOp):
+class RowResults(RowOp):
+    """An op that saves results it computes from each row it keeps, each row alone (a lens's
+    top-k, an SAE's features): requests running the same one are served together, their rows
+    joined into one computation (`GroupServer.results`)."""
+
+    edits = False
+    together = True
+    #: Whether every tensor-parallel rank must compute (the computation holds a collective, as
+    #: the lens's gathered logits do); otherwise only the rank that keeps saves does.
+    EVERY_RANK: ClassVar[bool] = False
+
+    def row_results(self, rows: torch.Tensor, services: Services) -> tuple[torch.Tensor, ...]:
+        """The results of `rows` (`[1, tokens, width]`), one tensor per name of `saved_names`
+        in that order, each with one row per token first (`[tokens, ...]`)."""
+        raise NotImplementedError(type(self).__name__)
+
+    def serve_group(self, server: GroupServer) -> bool:
+        """Served together, its rows joined (`GroupServer.results`)."""
+        return server.results(self)
+
+
+@dataclass(frozen=True)
+class Lens(RowResults):
     """A logit lens inside the engine: project the residual value at `location` through the
     model's final norm and unembedding, and save only the top-k tokens and probabilities.
 
@@ -101,8 +123,7 @@ class Lens(RowOp):
     """
 
     kind = "lens"
-    edits = False
-    together = True
+    EVERY_RANK = True  # under tensor parallelism the logits are gathered
     #: What a lens at `location` leaves in the saves: `f"{location}.{suffix}"`.
     RESULTS: ClassVar[tuple[str, str]] = ("lens_tokens", "lens_probs")
 
@@ -123,17 +144,19 @@ class Lens(RowOp):
         """The top-k tokens and their probabilities."""
         return tuple(f"{location}.{suffix}" for suffix in self.RESULTS)
 
-    def serve_group(self, server: GroupServer) -> bool:
-        """Served together as a lens."""
-        return server.lens(self)
+    def row_results(self, rows: torch.Tensor, services: Services) -> tuple[torch.Tensor, ...]:
+        """The top-k tokens and their probabilities, through the model's own final norm and
+        logits."""
+        probabilities, tokens = services.lens(rows, self.top_k)
+        return tokens, probabilities
 
     def serve(self, visit: Visit) -> None:
         """Top-k next-token probabilities of the rows, through the model's own final norm and
         logits (every rank computes them: under tensor parallelism the logits are gathered)."""
         found = []
         for first, rows in self.selected_reads(visit):
-            probabilities, tokens = visit.services.lens(rows, self.top_k)
-            found.append((first, (tokens.unsqueeze(0), probabilities.unsqueeze(0))))
+            found.append((first, tuple(result.unsqueeze(0) for result in self.row_results(
+                rows, visit.services))))
         self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
             torch.empty(1, 0, self.top_k, dtype=torch.long, device=device),
             torch.empty(1, 0, self.top_k, dtype=torch.float32, device=device)))

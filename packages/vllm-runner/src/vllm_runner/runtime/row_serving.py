@@ -22,7 +22,7 @@ from tokenspan.tree import iter_leaves
 from vllm_envoys import Step, Value
 from vllm_envoys.pattern import Pattern
 
-from vllm_runner.ops import Call, CallContext, EditOp, Lens, Op, RowOp, Save, with_rows_kept
+from vllm_runner.ops import Call, CallContext, EditOp, Op, RowOp, Save, with_rows_kept
 from vllm_runner.ops.checks import (
     finite_on_the_host,
     non_finite_counts,
@@ -30,6 +30,7 @@ from vllm_runner.ops.checks import (
     non_finite_error,
     refuse_non_finite,
 )
+from vllm_runner.ops.reads import RowResults
 from vllm_runner.ops.wants import Want, passed_over
 from vllm_runner.runtime.key_history import KeyHistory, reads_pattern
 from vllm_runner.runtime.pattern_edits import EditedPatterns, is_pattern
@@ -308,12 +309,11 @@ class _Together:
         return self._every_row_alike(op) and (not services.keeps_saves or _save_together(
             self.value, self.raw, self.members, self.layout, self.token_axis, services.store))
 
-    def lens(self, op: Lens) -> bool:
-        # Every rank projects, filtered or not: the logits are gathered.
+    def results(self, op: RowResults) -> bool:
         if op.filtered:
-            return _lens_selected_together(op, self.value, self.raw, self.members, self.layout,
-                                           self.token_axis, self.services)
-        return self._every_row_alike(op) and _lens_together(
+            return _results_selected_together(op, self.value, self.raw, self.members,
+                                              self.layout, self.token_axis, self.services)
+        return self._every_row_alike(op) and _results_together(
             op, self.value, self.raw, self.members, self.layout, self.token_axis, self.services)
 
     def edit(self, op: EditOp) -> bool:
@@ -374,28 +374,28 @@ def _save_selected_together(op: Save, value: Value, raw: Any, members: OpGroup,
     return True
 
 
-def _lens_selected_together(op: Lens, value: Value, raw: Any, members: OpGroup,
-                            layout: StepLayout, token_axis: int, services: Services) -> bool:
-    """A `Lens` with `positions` or `steps` on a group (the logit lens at each prompt's last
-    token): the rows its members keep taken out of the step with one gather and projected once
-    (one pass over the unembedding for all of them, where each request made its own), each
-    member's runs kept as pieces of the top-k; a member that keeps no row is served alone the
-    first time (its empty results). `False` leaves them to `serve_one`."""
+def _results_selected_together(op: RowResults, value: Value, raw: Any, members: OpGroup,
+                               layout: StepLayout, token_axis: int, services: Services) -> bool:
+    """A `RowResults` op with `positions` or `steps` on a group (the logit lens at each
+    prompt's last token): the rows its members keep taken out of the step with one gather and
+    computed once (one pass over the unembedding's or the encoder's weights for all of them,
+    where each request made its own), each member's runs kept as pieces of the results; a
+    member that keeps no row is served alone the first time (its empty results). `False` leaves
+    them to `serve_one`."""
     kept = _group_selected_rows(op, value, members, services.store)
     if kept is None:
         return False
-    tokens_name, probabilities_name = op.saved_names(value.location)
-    if kept.owners:
+    names = op.saved_names(value.location)
+    if kept.owners and (services.keeps_saves or op.EVERY_RANK):
         try:
-            probabilities, tokens = services.lens(
-                _read_kept(value, raw, members, kept, layout), op.top_k)
+            results = op.row_results(_read_kept(value, raw, members, kept, layout), services)
         except Exception:
             return False
         if services.keeps_saves:
-            for name, result in ((tokens_name, tokens), (probabilities_name, probabilities)):
+            for name, result in zip(names, results, strict=True):
                 services.store.save_rows(name, 1, kept.owners, [
                     piece.unsqueeze(0) for piece in result.split(kept.sizes)])
-    _serve_keeping_none(kept, tokens_name, value, raw, layout, token_axis, services)
+    _serve_keeping_none(kept, names[0], value, raw, layout, token_axis, services)
     return True
 
 
@@ -469,12 +469,14 @@ def _rows_of(raw: Any, index: torch.Tensor, layout: StepLayout) -> Any:
     return raw
 
 
-def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: StepLayout,
-                   token_axis: int, services: Services) -> bool:
-    """One lens (the final norm, the unembedding, the top-k) over the rows of every planned
-    read, joined, instead of one per request (each a pass over the unembedding's weights); its
-    tokens and probabilities kept in the group's record of the step, under their two names
-    (`saves.recorded`)."""
+def _results_together(op: RowResults, value: Value, raw: Any, members: OpGroup,
+                      layout: StepLayout, token_axis: int, services: Services) -> bool:
+    """One computation of a `RowResults` op (a lens: the final norm, the unembedding, the
+    top-k; an SAE's encoder and top-k) over the rows of every planned read, joined, instead of
+    one per request (each a pass over the weights); its results kept in the group's record of
+    the step, under their names (`saves.recorded`)."""
+    if not services.keeps_saves and not op.EVERY_RANK:
+        return True  # only the rank that keeps saves computes
     step = members[0].step
     plan = _reading_plan(members, layout)
     members_only, kept = _without_gaps(plan)
@@ -484,7 +486,7 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
         if kept is not None:  # the rows of requests between members are not projected
             joined = joined.index_select(token_axis, torch.from_numpy(kept).to(
                 joined.device, non_blocking=True))
-        probabilities, tokens = services.lens(joined, op.top_k)
+        results = op.row_results(joined, services)
     except Exception:
         return False
     if not services.keeps_saves:
@@ -494,8 +496,7 @@ def _lens_together(op: Lens, value: Value, raw: Any, members: OpGroup, layout: S
     if group is None:
         group = members.record = store.start_record(members_only, 1, op)
     ends = list(accumulate(sum(run.sizes) for run, _ in members_only))
-    for name, result in zip(op.saved_names(value.location), (tokens, probabilities),
-                            strict=True):
+    for name, result in zip(op.saved_names(value.location), results, strict=True):
         store.record(group, name, [result[end - sum(run.sizes):end].unsqueeze(0)
                                    for (run, _), end in zip(members_only, ends, strict=True)])
     return True
