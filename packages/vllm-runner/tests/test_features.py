@@ -234,6 +234,12 @@ def test_saes_load_into_a_running_engine(llm, tmp_path) -> None:
     assert set(refused.value.refused) == {"res1", "narrow0"}
     assert "already loaded" in refused.value.refused["res1"]
     assert llm.saes["later0"]["location"] == "layers.0.layer_output"
+    # Files that name no site (as Gemma Scope's params.npz): the site given beside the path.
+    random_sae("standard", None, seed=10).save(tmp_path / "unnamed")
+    llm.load_saes({"given0": (tmp_path / "unnamed", "model.layers.0.output")})
+    assert llm.saes["given0"]["location"] == "layers.0.layer_output"
+    with pytest.raises(SAEsRefused, match=r"its site \(not named in its files\)"):
+        llm.load_saes({"unnamed": tmp_path / "unnamed"})
     assert llm.saes["res1"]["architecture"] == "jumprelu"  # unchanged
     (output,) = _run(llm, [[ops.Features(sae="later0", top_k=4)]], [PROMPTS[0]])
     assert output.error is None and output.saved["later0.features.values"].shape == (

@@ -94,12 +94,16 @@ def test_each_interp_sae_becomes_one_of_the_engines_saes(tmp_path, monkeypatch) 
     (tmp_path / "a").mkdir()
     monkeypatch.chdir(tmp_path)
     changed = with_taps(["--interp-sae", "res1=a", f"--interp-sae=mlp0={tmp_path / 'a'}",
+                         "--interp-sae", "gs=a@blocks.3.hook_resid_post",
                          "--interp-taps", "layers.0.layer_output"])
     (config,) = values_of(changed, "--additional-config")
-    assert json.loads(config)[SAES_KEY] == {"res1": str(tmp_path / "a"),
-                                            "mlp0": str(tmp_path / "a")}
+    assert json.loads(config)[SAES_KEY] == {
+        "res1": {"path": str(tmp_path / "a"), "site": None},
+        "mlp0": {"path": str(tmp_path / "a"), "site": None},
+        "gs": {"path": str(tmp_path / "a"), "site": "blocks.3.hook_resid_post"}}
     assert TAPS_KEY in json.loads(config)
     for bad, named in ((["--interp-sae", "res1"], "give NAME=PATH"),
+                       (["--interp-sae", "a@b=a"], "not a usable SAE name"),
                        (["--interp-sae", "x=a", "--interp-sae", "x=a"], "given twice"),
                        (["--interp-sae", f"x={tmp_path / 'missing'}"], "does not exist")):
         with pytest.raises(ValueError, match=named):

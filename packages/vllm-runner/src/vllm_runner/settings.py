@@ -35,23 +35,47 @@ def taps_config(taps: list[str], graph_taps: list[str]) -> dict[str, list[str]]:
     return {TAPS_KEY: list(dict.fromkeys([*taps, *graph_taps])), GRAPH_TAPS_KEY: graph_taps}
 
 
-def saes_config(saes: Any) -> dict[str, dict[str, str]]:
+#: An SAE as `LLM(saes=...)` takes it: its folder or file, or `(path, site)` for files that
+#: name no site.
+SAESpec = str | os.PathLike[str] | tuple[str | os.PathLike[str], str]
+
+
+def saes_config(saes: Any) -> dict[str, dict[str, dict[str, str | None]]]:
     """The SAEs' entry of vLLM's `additional_config` (`LLM(saes=...)`, `vllm-interp serve
-    --interp-sae NAME=PATH`): names to absolute folder paths (workers may start elsewhere),
-    refused by name unless each name is a word and each path exists, before an engine starts."""
+    --interp-sae NAME=PATH`): each name to its absolute path (workers may start elsewhere) and
+    the site given for files that name none (`(path, site)`: Gemma Scope's `params.npz`), or
+    `None`; refused by name unless each name is a word and each path exists, before an engine
+    starts."""
     if not isinstance(saes, dict) or not saes:
         raise ValueError(f"saes={saes!r}: give a dict of names to SAE folders, e.g. "
                          "saes={'res12': '/path/to/sae'}")
-    found: dict[str, str] = {}
-    for name, path in saes.items():
-        if not isinstance(name, str) or not name or any(c.isspace() or c in ":/" for c in name):
+    found: dict[str, dict[str, str | None]] = {}
+    for name, given in saes.items():
+        if not isinstance(name, str) or not name or any(c.isspace() or c in ":/@" for c in name):
             raise ValueError(f"saes: {name!r} is not a usable SAE name: give a word without "
-                             "spaces, ':' or '/', e.g. 'res12'")
+                             "spaces, ':', '/' or '@', e.g. 'res12'")
+        path, site = given if isinstance(given, (tuple, list)) and len(given) == 2 \
+            else (given, None)
+        if site is not None and (not isinstance(site, str) or not site):
+            raise ValueError(f"saes[{name!r}]: site {site!r} must be a site name, e.g. "
+                             "'blocks.12.hook_resid_post' or 'model.layers.12.output'")
         if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
             raise ValueError(f"saes[{name!r}]: {path!r} does not exist; give the folder (or "
-                             "file) the SAE's weights are in")
-        found[name] = os.path.abspath(path)
+                             "file) the SAE's weights are in, or (path, site) for files that "
+                             "name no site")
+        found[name] = {"path": os.path.abspath(path), "site": site}
     return {SAES_KEY: found}
+
+
+def sae_option(value: str, option: str) -> tuple[str, str | tuple[str, str]]:
+    """`NAME=PATH` or `NAME=PATH@SITE` (`--interp-sae`, `extract --sae`) as a name and what
+    `saes_config` takes; refused naming `option` unless it has a name and a path."""
+    name, equals, path = value.partition("=")
+    if not equals or not name or not path:
+        raise ValueError(f"{option} {value!r}: give NAME=PATH (or NAME=PATH@SITE for files that "
+                         f"name no site), e.g. {option} res12=/path/to/sae")
+    where, at, site = path.rpartition("@")
+    return (name, (where, site)) if at and where and site else (name, path)
 
 
 def refused_saes_message(refused: dict[str, str]) -> str:

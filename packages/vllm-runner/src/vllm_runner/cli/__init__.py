@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a text file (one prompt per line) or JSONL ('prompt' field)")
     extract.add_argument("--save", default="",
                          help="comma-separated locations, e.g. 'layers.*.layer_output,logits'")
-    extract.add_argument("--sae", action="append", default=[], metavar="NAME=PATH",
-                         help="an SAE (its folder) whose features to extract, sparse; repeat "
-                              "for more")
+    extract.add_argument("--sae", action="append", default=[], metavar="NAME=PATH[@SITE]",
+                         help="an SAE (its folder or file) whose features to extract, sparse; "
+                              "@SITE names the site for files that name none (Gemma Scope's "
+                              "params.npz), e.g. @blocks.12.hook_resid_post; repeat for more")
     extract.add_argument("--top-k", type=int, default=None,
                          help="features kept per token and SAE (default: a TopK SAE's k; "
                               "needed for other SAEs)")
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _llm(arguments: argparse.Namespace, saes: dict[str, str] | None = None) -> Any:
+def _llm(arguments: argparse.Namespace,
+         saes: dict[str, str | tuple[str, str]] | None = None) -> Any:
     from vllm_runner.client.llm import LLM
 
     engine: dict[str, Any] = dict(arguments.engine_arg)
@@ -275,6 +277,7 @@ def _run(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> int:
 
 def _extract(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> int:
     from vllm_runner.cli.extract import ExtractionMismatch, extract, read_prompts, resumable
+    from vllm_runner.settings import sae_option
 
     if arguments.shard_size < 1:
         parser.error("--shard-size must be at least 1")
@@ -285,12 +288,13 @@ def _extract(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> 
     if not prompts:
         parser.error(f"--prompts: {arguments.prompts} holds no prompts")
     locations = [part.strip() for part in arguments.save.split(",") if part.strip()]
-    saes: dict[str, str] = {}
+    saes: dict[str, str | tuple[str, str]] = {}
     for given in arguments.sae:
-        name, equals, path = given.partition("=")
-        if not equals or not name or not path:
-            parser.error(f"--sae {given!r}: give NAME=PATH, e.g. --sae res12=/path/to/sae")
-        saes[name] = path
+        try:
+            name, spec = sae_option(given, "--sae")
+        except ValueError as error:
+            parser.error(str(error))
+        saes[name] = spec
     if not locations and not saes:
         parser.error("give --save LOCATIONS, --sae NAME=PATH, or both")
     if arguments.top_k is not None and arguments.top_k < 1:

@@ -11,7 +11,6 @@ script that builds one needs `if __name__ == "__main__":` around it.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.ops.program import check_ops
-from vllm_runner.settings import SAES_KEY, refused_saes_message, saes_config
+from vllm_runner.settings import SAES_KEY, SAESpec, refused_saes_message, saes_config
 
 logger = logging.getLogger("vllm.interp")
 
@@ -39,7 +38,7 @@ class AsyncLLM:
                  interp_device_saves_mib: int | None = None,
                  taps: str | Sequence[str] | None = None,
                  graph_taps: str | Sequence[str] | None = None,
-                 saes: Mapping[str, str | os.PathLike[str]] | None = None,
+                 saes: Mapping[str, SAESpec] | None = None,
                  **engine: Any) -> None:
         """Start vLLM's asyncio engine on `model` (the embedded SmolLM2-135M-Instruct when
         `None`) with every engine argument in `engine`; the `interp_*` settings, `taps`,
@@ -84,7 +83,7 @@ class AsyncLLM:
             raise SAEsRefused(refused_saes_message(answer["refused"]), answer["refused"])
         return dict(answer["loaded"])
 
-    async def load_saes(self, saes: Mapping[str, str | os.PathLike[str]]) -> None:
+    async def load_saes(self, saes: Mapping[str, SAESpec]) -> None:
         """Load more SAEs into the running engine (as `LLM.load_saes`)."""
         paths = saes_config(dict(saes))[SAES_KEY]
         (answer, *_) = await self.engine.collective_rpc("interp_load_saes", args=(paths,))

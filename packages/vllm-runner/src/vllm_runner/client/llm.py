@@ -44,6 +44,7 @@ from vllm_runner.settings import (
     DEVICE_SAVES_VARIABLE,
     READS_VARIABLE,
     SAES_KEY,
+    SAESpec,
     device_saves_limit,
     read_mode,
     refused_saes_message,
@@ -82,7 +83,7 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
                    interp_device_saves_mib: int | None,
                    taps: str | Sequence[str] | None = None,
                    graph_taps: str | Sequence[str] | None = None,
-                   saes: Mapping[str, str | os.PathLike[str]] | None = None) -> str:
+                   saes: Mapping[str, SAESpec] | None = None) -> str:
     """What every engine of ours needs before vLLM starts it (`LLM` and `AsyncLLM` alike): a
     checked vLLM release, the workers' settings in the environment (checked here, not in a
     worker's traceback), the taps in the engine's own config, eager mode on a CPU unless
@@ -180,7 +181,7 @@ class LLM:
                  interp_device_saves_mib: int | None = None,
                  taps: str | Sequence[str] | None = None,
                  graph_taps: str | Sequence[str] | None = None,
-                 saes: Mapping[str, str | os.PathLike[str]] | None = None,
+                 saes: Mapping[str, SAESpec] | None = None,
                  **engine: Any) -> None:
         """Start vLLM's engine on `model` with every engine argument in `engine`.
 
@@ -219,8 +220,9 @@ class LLM:
         programs or not, and buffers of `max_num_batched_tokens` rows; only residual-width
         values whole on every rank qualify (others are refused by name, as bad taps are).
 
-        `saes` names sparse autoencoders by the folders their files are in
-        (`{"res12": "/path/to/sae"}`; the formats `saecodec` reads): each worker loads them once,
+        `saes` names sparse autoencoders by the folders (or files) their weights are in
+        (`{"res12": "/path/to/sae"}`; the formats `saecodec` reads; `(path, site)` for files
+        that name no site, as Gemma Scope's `params.npz`): each worker loads them once,
         and the ops `Features`, `SteerFeatures` and `ClampFeatures` act in their feature space
         by name. An SAE whose files do not load, whose site maps to no location the model
         serves per token, or whose width is not the model's is refused by name
@@ -252,7 +254,7 @@ class LLM:
         with contextlib.suppress(Exception):  # the refusal is what the caller must see
             self.engine.llm_engine.engine_core.shutdown()
 
-    def load_saes(self, saes: Mapping[str, str | os.PathLike[str]]) -> None:
+    def load_saes(self, saes: Mapping[str, SAESpec]) -> None:
         """Load more SAEs into the running engine (`{"res1": "/path/to/sae"}`, as `saes=`
         at start-up): each worker loads them once. `SAEsRefused` names those it refused (the
         others are loaded), e.g. a name already taken (an SAE's name keeps its meaning)."""

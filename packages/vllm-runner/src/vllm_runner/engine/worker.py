@@ -100,9 +100,9 @@ class WorkerRPC:
         sizes) and those it refused, with the reasons (`"refused"`)."""
         return _door(self).saes()
 
-    def interp_load_saes(self, paths: dict[str, str]) -> dict[str, Any]:
-        """Load more SAEs (name -> folder) on this worker (`LLM.load_saes`); `interp_saes`'s
-        answer after."""
+    def interp_load_saes(self, paths: dict[str, Any]) -> dict[str, Any]:
+        """Load more SAEs (name -> path and site: `settings.saes_config`) on this worker
+        (`LLM.load_saes`); `interp_saes`'s answer after."""
         return _door(self).load_saes(paths)
 
     def interp_forwards(self) -> dict[str, int]:

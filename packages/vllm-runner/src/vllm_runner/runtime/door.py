@@ -107,8 +107,8 @@ class WorkerDoor(Protocol):
         """The SAEs loaded (`"loaded"`, each as plain data) and those refused, with the reasons
         (`"refused"`)."""
 
-    def load_saes(self, paths: dict[str, str]) -> dict[str, Any]:
-        """Load more SAEs (name -> folder); `saes()` after."""
+    def load_saes(self, paths: dict[str, Any]) -> dict[str, Any]:
+        """Load more SAEs (name -> path and site: `settings.saes_config`); `saes()` after."""
 
     def edit_refusal(self, location: str) -> str | None:
         """Why a value cannot be edited, or `None`."""

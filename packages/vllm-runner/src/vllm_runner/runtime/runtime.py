@@ -122,9 +122,10 @@ class Runtime:
                 else resolve(pattern, self.values, len(self.standard.layers)))
         return found
 
-    def load_saes(self, paths: dict[str, str]) -> dict[str, Any]:
-        """Load SAEs (name -> folder) on the model's device (`runtime.saes`), at start-up or
-        later (`LLM.load_saes`): those that fail a check are refused by name. Returns `saes()`."""
+    def load_saes(self, paths: dict[str, Any]) -> dict[str, Any]:
+        """Load SAEs (name -> path and site: `settings.saes_config`) on the model's device
+        (`runtime.saes`), at start-up or later (`LLM.load_saes`): those that fail a check are
+        refused by name. Returns `saes()`."""
         device = next(self._model.parameters()).device
         self.sae_table.load(paths, self.values, self.resolve, self._hf_config, device)
         return self.saes()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from saecodec import SAE, site_location
+from saecodec import SAE, Site, site_location
 from vllm_envoys import Value
 
 from vllm_runner.errors import LocationError
@@ -44,6 +44,13 @@ class LoadedSAE:
                 "hf_hook_name": sae.site.hf_hook_name}
 
 
+def _site(name: str | None) -> Site | None:
+    """A site given by name: TransformerLens's (`blocks.…`) or the HF model's module path."""
+    if name is None:
+        return None
+    return Site(hook_name=name) if name.startswith("blocks.") else Site(hf_hook_name=name)
+
+
 def _width(value: Value, hf_config: Any) -> int | None:
     """The width of a per-token value's last axis, from the model's config (None: unknown)."""
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
@@ -61,26 +68,29 @@ class LoadedSAEs:
         self.loaded: dict[str, LoadedSAE] = {}
         self.refused: dict[str, str] = {}
 
-    def load(self, paths: Mapping[str, str], values: Mapping[str, Value],
+    def load(self, specs: Mapping[str, Mapping[str, str | None]], values: Mapping[str, Value],
              resolve: Callable[[str], list[str]], hf_config: Any, device: torch.device) -> None:
-        """Load each SAE of `paths` (name -> folder) onto `device`, refusing by name any whose
-        files do not load, whose site maps to no location the model serves per token (`values`,
-        by canonical location; `resolve` gives a location's canonical name), or whose width is
-        not that value's."""
-        for name, path in paths.items():
+        """Load each SAE of `specs` (name -> its `path` and the `site` given for files that name
+        none: `settings.saes_config`) onto `device`, refusing by name any whose files do not
+        load, whose site maps to no location the model serves per token (`values`, by canonical
+        location; `resolve` gives a location's canonical name), or whose width is not that
+        value's."""
+        for name, spec in specs.items():
             self.refused.pop(name, None)
             if name in self.loaded:  # programs decoded before are bound to the one loaded
                 self.refused[name] = "an SAE is already loaded under this name; choose another"
                 continue
             try:
-                self.loaded[name] = self._checked(path, values, resolve, hf_config, device)
+                self.loaded[name] = self._checked(str(spec["path"]), _site(spec.get("site")),
+                                                  values, resolve, hf_config, device)
             except (OSError, ValueError) as error:  # LocationError is a ValueError
                 self.refused[name] = str(error)
 
     @staticmethod
-    def _checked(path: str, values: Mapping[str, Value], resolve: Callable[[str], list[str]],
-                 hf_config: Any, device: torch.device) -> LoadedSAE:
-        sae = SAE.load(path)
+    def _checked(path: str, site_given: Site | None, values: Mapping[str, Value],
+                 resolve: Callable[[str], list[str]], hf_config: Any,
+                 device: torch.device) -> LoadedSAE:
+        sae = SAE.load(path, site=site_given)
         site = sae.site
         standard = site_location(site)
         if standard is None:

@@ -29,7 +29,7 @@ from vllm_runner.server.settings import (
     option_value,
     split_options,
 )
-from vllm_runner.settings import saes_config, taps_config
+from vllm_runner.settings import sae_option, saes_config, taps_config
 
 PLUGINS_VARIABLE = "VLLM_PLUGINS"
 CPU_WORKER = "vllm_runner.engine.cpu_worker.InterpCPUWorker"
@@ -75,7 +75,7 @@ def with_taps(options: Sequence[str]) -> list[str]:
     each SAE's path exists: tested as is); unchanged without them."""
     rest: list[str] = []
     taps: dict[str, list[str]] = {name: [] for name in TAP_OPTIONS}
-    saes: dict[str, str] = {}
+    saes: dict[str, str | tuple[str, str]] = {}
     config_text = None
     pending = list(options)
     while pending:
@@ -89,13 +89,10 @@ def with_taps(options: Sequence[str]) -> list[str]:
             config_text = value
             continue
         if name == SAE_OPTION:
-            sae_name, given, path = value.partition("=")
-            if not given or not sae_name or not path:
-                raise ValueError(f"{SAE_OPTION} {value!r}: give NAME=PATH, e.g. {SAE_OPTION} "
-                                 "res12=/path/to/sae")
+            sae_name, spec = sae_option(value, SAE_OPTION)
             if sae_name in saes:
                 raise ValueError(f"{SAE_OPTION}: the name {sae_name!r} is given twice")
-            saes[sae_name] = path
+            saes[sae_name] = spec
             continue
         patterns = [pattern.strip() for pattern in value.split(",") if pattern.strip()]
         if not patterns:
