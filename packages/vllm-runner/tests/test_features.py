@@ -201,6 +201,9 @@ def test_bad_sae_input_fails_by_name_and_alone(llm) -> None:
     unbounded read fail their own request, naming it, and the others run."""
     with pytest.raises(LocationError, match=r"no SAE named 'res9'.*res1"):
         _run(llm, [[ops.Features(sae="res9", top_k=4)]] * len(PROMPTS))
+    with pytest.raises(LocationError, match=r"one Features per SAE"):
+        _run(llm, [[ops.Features(sae="res1", top_k=4), ops.Features(sae="res1", top_k=2)]],
+             [PROMPTS[0]])
     with pytest.raises(ValueError, match=r"feature 3 has value nan"):
         ops.SteerFeatures(sae="res1", features={3: float("nan")})
     with pytest.raises(ValueError, match=r"feature index -1"):

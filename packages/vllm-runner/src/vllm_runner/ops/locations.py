@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm_runner.errors import LocationError
-from vllm_runner.ops import Call, EditOp, Op, Probe
+from vllm_runner.ops import Call, ClampFeatures, EditOp, Features, Op, Probe, SteerFeatures
 
 #: Values whose rows are the sampled rows (one per request, its last row this step), not the
 #: step's tokens, served in this order by one hook on the logits processor.
@@ -83,18 +83,19 @@ def unservable(ops: Sequence[Op], acting_at: Sequence[Sequence[str]],
     named: dict[str, int] = {}
     for index, (op, locations) in enumerate(zip(ops, acting_at, strict=True)):
         for location in locations:
-            if isinstance(op, EditOp) and location in edit_refusals:
+            if isinstance(op, (EditOp, SteerFeatures, ClampFeatures)) \
+                    and location in edit_refusals:
                 return index, f"{type(op).__name__} at {location}: {edit_refusals[location]}"
             if getattr(op, "tokens", None) is not None and location in PER_SAMPLED_ROW:
                 return index, (f"{type(op).__name__} at {location}: tokens= is not taken at a "
                                "value of one row per sampled position; filter it with "
                                "positions= or steps=")
-            if isinstance(op, (Probe, Call)):
+            if isinstance(op, (Probe, Call, Features)):
                 for name in op.saved_names(location):
                     if name in named:
                         return index, (f"{type(op).__name__} at {location} saves {name!r}, as "
                                        f"op {named[name]} of the program does: give each a name "
-                                       "of its own (name= or saves=)")
+                                       "of its own (name= or saves=; one Features per SAE)")
                     named[name] = index
     return None
 
