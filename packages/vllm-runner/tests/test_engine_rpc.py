@@ -53,6 +53,22 @@ def test_an_engine_dying_during_a_call_ends_the_wait() -> None:
     assert time.monotonic() - started < 2
 
 
+def test_an_engine_found_dead_by_the_call_itself_is_engine_died() -> None:
+    """The engine dies after the check before the call, and vLLM's own client raises its
+    error as it sends (seen in CI: a Ctrl-C's next call got vLLM's `EngineDeadError`): the
+    caller still gets `EngineDied`, with vLLM's error as the cause."""
+    engine = Engine(multiprocess=True)
+
+    def dies_as_it_sends(method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        engine.llm_engine.engine_core.resources.engine_dead = True
+        raise RuntimeError("EngineCore encountered an issue")
+
+    engine.collective_rpc = dies_as_it_sends  # type: ignore[method-assign]
+    with pytest.raises(EngineDied, match="has exited") as died:
+        engine_rpc.call(engine, "interp_resolve")
+    assert isinstance(died.value.__cause__, RuntimeError)
+
+
 def test_an_engine_that_never_answers_times_out() -> None:
     started = time.monotonic()
     with pytest.raises(EngineDied, match=r"did not answer interp_drop within 0\.3 s"):

@@ -70,6 +70,8 @@ def call(engine: Any, method: str, args: tuple[Any, ...] = (),
                              "is stopped or stuck (a Ctrl-C in a terminal stops its processes "
                              "too): start a new LLM")
     if "error" in outcome:
+        if resources.engine_dead:  # it died while the call was on its way (vLLM's own error)
+            raise EngineDied(_dead(method)) from outcome["error"]
         raise outcome["error"]
     return outcome["result"]
 
