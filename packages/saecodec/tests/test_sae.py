@@ -58,6 +58,17 @@ def test_encode_is_the_architectures_definition(architecture: str, apply_b_dec_t
 
 
 @pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+@pytest.mark.parametrize("apply_b_dec_to_input", [False, True])
+def test_some_features_encode_as_in_the_whole_encoding(architecture: str,
+                                                       apply_b_dec_to_input: bool) -> None:
+    sae = make(architecture, apply_b_dec_to_input=apply_b_dec_to_input)
+    x = torch.randn(2, 3, D_IN, generator=torch.Generator().manual_seed(4))
+    features = torch.tensor([D_SAE - 1, 0, 3])
+    torch.testing.assert_close(sae.encode_features(x, features),
+                               sae.encode(x)[..., features], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
 def test_decode_and_the_error_term_put_the_activations_back_together(architecture: str) -> None:
     sae = make(architecture)
     x = torch.randn(3, D_IN, generator=torch.Generator().manual_seed(7))

@@ -105,27 +105,47 @@ class SAE:
                        W_dec=moved(self.W_dec), b_dec=moved(self.b_dec),
                        threshold=None if self.threshold is None else moved(self.threshold))
 
-    def pre_activations(self, activations: torch.Tensor) -> torch.Tensor:
-        """`(x - b_dec?) @ W_enc + b_enc` over the last axis (`[..., d_in]` → `[..., d_sae]`)."""
+    def _input(self, activations: torch.Tensor) -> torch.Tensor:
+        """`activations` in the SAE's dtype, less `b_dec` where `apply_b_dec_to_input`."""
         if activations.shape[-1] != self.d_in:
             raise ValueError(f"activations have width {activations.shape[-1]}; this SAE reads "
                              f"{self.d_in}")
         x = activations.to(self.dtype)
-        if self.apply_b_dec_to_input:
-            x = x - self.b_dec
-        return x @ self.W_enc + self.b_enc
+        return x - self.b_dec if self.apply_b_dec_to_input else x
+
+    def pre_activations(self, activations: torch.Tensor) -> torch.Tensor:
+        """`(x - b_dec?) @ W_enc + b_enc` over the last axis (`[..., d_in]` → `[..., d_sae]`)."""
+        return self._input(activations) @ self.W_enc + self.b_enc
+
+    @staticmethod
+    def _each_alone(hidden: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+        """Standard and JumpReLU features from their pre-activations: each feature from its own
+        alone (ReLU, kept only above its `threshold` where there is one)."""
+        if threshold is None:
+            return hidden.relu()
+        return hidden.relu() * (hidden > threshold).to(hidden.dtype)
 
     def encode(self, activations: torch.Tensor) -> torch.Tensor:
         """The features of `activations` (`[..., d_in]` → `[..., d_sae]`, dense)."""
         hidden = self.pre_activations(activations)
-        if self.architecture == "standard":
-            return hidden.relu()
-        if self.architecture == "jumprelu":
-            assert self.threshold is not None
-            return hidden.relu() * (hidden > self.threshold).to(hidden.dtype)
+        if self.architecture != "topk":
+            return self._each_alone(hidden, self.threshold)
         assert self.k is not None
         top = hidden.topk(self.k, dim=-1)
         return torch.zeros_like(hidden).scatter(-1, top.indices, top.values.relu())
+
+    def encode_features(self, activations: torch.Tensor, features: torch.Tensor
+                        ) -> torch.Tensor:
+        """`encode(activations)[..., features]` (`features`: int64 indices on the SAE's device),
+        reading only those features' encoder columns where each feature depends on its own
+        pre-activation alone (standard, JumpReLU); a TopK SAE encodes in full (whether a
+        feature is kept depends on the others)."""
+        if self.architecture == "topk":
+            return self.encode(activations).index_select(-1, features)
+        hidden = self._input(activations) @ self.W_enc.index_select(1, features) \
+            + self.b_enc.index_select(0, features)
+        threshold = None if self.threshold is None else self.threshold.index_select(0, features)
+        return self._each_alone(hidden, threshold)
 
     def decode(self, features: torch.Tensor) -> torch.Tensor:
         """`features @ W_dec + b_dec` (`[..., d_sae]` → `[..., d_in]`)."""
