@@ -11,7 +11,12 @@ import sys
 
 import pytest
 from vllm_runner.server import command as module
-from vllm_runner.server.command import _ranks, plugins_setting, serve_command, with_taps
+from vllm_runner.server.command import (
+    _ranks,
+    plugins_setting,
+    serve_command,
+    with_additional_config,
+)
 from vllm_runner.settings import GRAPH_TAPS_KEY, SAES_KEY, TAPS_KEY
 
 MODEL = "/models/tiny-llama"
@@ -77,13 +82,13 @@ def test_no_enforce_eager_runs_vllms_compiled_engine(given: list[str], on_cpu: b
 def test_taps_become_the_engines_additional_config_merged_into_the_users() -> None:
     options = ["--port", "1", "--interp-taps", "layers.*.layer_output, layers.1.mlp_neurons",
                "--additional-config={\"mine\": 1}", "--interp-graph-taps=layers.*.layer_output"]
-    changed = with_taps(options)
+    changed = with_additional_config(options)
     (config,) = values_of(changed, "--additional-config")
     assert json.loads(config) == {
         "mine": 1, TAPS_KEY: ["layers.*.layer_output", "layers.1.mlp_neurons"],
         GRAPH_TAPS_KEY: ["layers.*.layer_output"]}
     assert changed[:2] == ["--port", "1"] and not any("--interp-" in one for one in changed)
-    assert with_taps(["--port", "1", "--additional-config", "{}"]) == [
+    assert with_additional_config(["--port", "1", "--additional-config", "{}"]) == [
         "--port", "1", "--additional-config", "{}"]  # no taps: the user's options as given
 
 
@@ -93,9 +98,9 @@ def test_each_interp_sae_becomes_one_of_the_engines_saes(tmp_path, monkeypatch) 
     value without `=` is refused by name."""
     (tmp_path / "a").mkdir()
     monkeypatch.chdir(tmp_path)
-    changed = with_taps(["--interp-sae", "res1=a", f"--interp-sae=mlp0={tmp_path / 'a'}",
-                         "--interp-sae", "gs=a@blocks.3.hook_resid_post",
-                         "--interp-taps", "layers.0.layer_output"])
+    changed = with_additional_config([
+        "--interp-sae", "res1=a", f"--interp-sae=mlp0={tmp_path / 'a'}",
+        "--interp-sae", "gs=a@blocks.3.hook_resid_post", "--interp-taps", "layers.0.layer_output"])
     (config,) = values_of(changed, "--additional-config")
     assert json.loads(config)[SAES_KEY] == {
         "res1": {"path": str(tmp_path / "a"), "site": None},
@@ -107,7 +112,7 @@ def test_each_interp_sae_becomes_one_of_the_engines_saes(tmp_path, monkeypatch) 
                        (["--interp-sae", "x=a", "--interp-sae", "x=a"], "given twice"),
                        (["--interp-sae", f"x={tmp_path / 'missing'}"], "does not exist")):
         with pytest.raises(ValueError, match=named):
-            with_taps(bad)
+            with_additional_config(bad)
 
 
 @pytest.mark.parametrize(("given", "named"), [
@@ -117,7 +122,7 @@ def test_each_interp_sae_becomes_one_of_the_engines_saes(tmp_path, monkeypatch) 
     (["--interp-graph-taps=x", "--additional-config", "{oops"], "is not JSON")])
 def test_bad_tap_options_are_refused_naming_them(given: list[str], named: str) -> None:
     with pytest.raises(ValueError, match=named):
-        with_taps(given)
+        with_additional_config(given)
 
 
 def test_cpu_gets_a_kv_cache_when_the_user_sized_none() -> None:

@@ -19,14 +19,13 @@ from vllm import SamplingParams
 
 from vllm_runner.client.collection import collect_async, finished_output
 from vllm_runner.client.engine_start import choose_defaults
-from vllm_runner.client.llm import as_prompt_dict, prepare_engine
+from vllm_runner.client.llm import as_prompt_dict, checked_saes, prepare_engine
 from vllm_runner.client.submission import Submission
-from vllm_runner.errors import SAEsRefused
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
 from vllm_runner.ops.locations import checked_resolution, refuse_what_cannot_be_served
 from vllm_runner.ops.program import check_ops
-from vllm_runner.settings import SAES_KEY, SAESpec, refused_saes_message, saes_config
+from vllm_runner.settings import SAES_KEY, SAESpec, saes_config
 
 logger = logging.getLogger("vllm.interp")
 
@@ -79,17 +78,13 @@ class AsyncLLM:
         """The engine's SAEs by name (as `LLM.saes`); `SAEsRefused` naming those the workers
         refused at start-up."""
         (answer, *_) = await self.engine.collective_rpc("interp_saes")
-        if answer["refused"]:
-            raise SAEsRefused(refused_saes_message(answer["refused"]), answer["refused"])
-        return dict(answer["loaded"])
+        return checked_saes(answer)
 
     async def load_saes(self, saes: Mapping[str, SAESpec]) -> None:
         """Load more SAEs into the running engine (as `LLM.load_saes`)."""
         paths = saes_config(dict(saes))[SAES_KEY]
         (answer, *_) = await self.engine.collective_rpc("interp_load_saes", args=(paths,))
-        if refused := {name: answer["refused"][name] for name in paths
-                       if name in answer["refused"]}:
-            raise SAEsRefused(refused_saes_message(refused), refused)
+        checked_saes(answer, paths)
 
     async def resolve(self, patterns: Sequence[str]) -> dict[str, list[str]]:
         """The canonical locations each pattern names; `LocationError` for one that names

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import vllm
@@ -119,6 +119,18 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
         engine.setdefault("dtype", "float32")
     engine.setdefault("worker_cls", _worker_cls())
     return model
+
+
+def checked_saes(answer: dict[str, Any], names: Iterable[str] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """The SAEs the workers loaded, by name (their `interp_saes` answer); `SAEsRefused` naming
+    those they refused (among `names`, where given: the ones a call just asked for)."""
+    wanted = None if names is None else set(names)
+    refused = {name: reason for name, reason in answer["refused"].items()
+               if wanted is None or name in wanted}
+    if refused:
+        raise SAEsRefused(refused_saes_message(refused), refused)
+    return dict(answer["loaded"])
 
 
 def tap_patterns(taps: str | Sequence[str], argument: str = "taps") -> list[str]:
@@ -238,11 +250,11 @@ class LLM:
 
         self.engine = start(model, engine, on_cpu=current_platform.is_cpu())
         if saes is not None:
-            answer = self._rpc("interp_saes")[0]
-            if refused := answer["refused"]:
+            try:
+                self._saes = checked_saes(self._rpc("interp_saes")[0])
+            except SAEsRefused:
                 self._stop_refused("its SAEs were refused")
-                raise SAEsRefused(refused_saes_message(refused), refused)
-            self._saes = answer["loaded"]
+                raise
         if (taps is not None or graph_taps is not None) and (
                 refused := self._rpc("interp_taps")[0]["refused"]):
             self._stop_refused("its taps were refused")
@@ -260,10 +272,8 @@ class LLM:
         others are loaded), e.g. a name already taken (an SAE's name keeps its meaning)."""
         paths = saes_config(dict(saes))[SAES_KEY]
         answer = self._rpc("interp_load_saes", (paths,))[0]
-        self._saes = answer["loaded"]
-        if refused := {name: answer["refused"][name] for name in paths
-                       if name in answer["refused"]}:
-            raise SAEsRefused(refused_saes_message(refused), refused)
+        self._saes = answer["loaded"]  # those that loaded serve, whatever was refused
+        checked_saes(answer, paths)
 
     @property
     def saes(self) -> dict[str, dict[str, Any]]:

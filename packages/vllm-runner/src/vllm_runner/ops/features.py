@@ -16,14 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_runner.ops.base import Op, RowOp, SAELookup
 from vllm_runner.ops.edits import Add, EditOp
 from vllm_runner.ops.reads import RowResults
-from vllm_runner.ops.value_shape import ValueShape
 
 if TYPE_CHECKING:
     from saecodec import SAE
@@ -37,6 +36,11 @@ SAE_PATTERN_PREFIX = "sae:"
 def sae_pattern(name: str) -> str:
     """The location pattern of the SAE loaded as `name`."""
     return f"{SAE_PATTERN_PREFIX}{name}"
+
+
+def feature_names(sae: str) -> tuple[str, str]:
+    """Where an SAE's features are saved: `f"{sae}.features.indices"` and `...values`."""
+    return f"{sae}.features.indices", f"{sae}.features.values"
 
 
 def _check_name(op: SAEOp) -> None:
@@ -83,8 +87,6 @@ class Features(SAEOp):
 
     kind = "features"
     edits = False
-    #: What it saves: `f"{sae}.{suffix}"`.
-    RESULTS: ClassVar[tuple[str, str]] = ("features.indices", "features.values")
 
     top_k: int | None = None
 
@@ -102,12 +104,7 @@ class Features(SAEOp):
 
     def saved_names(self, location: str) -> tuple[str, ...]:
         """The feature indices and values, under the SAE's name."""
-        return tuple(f"{self.sae}.{suffix}" for suffix in self.RESULTS)
-
-    def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
-                      ) -> str | None:
-        """No tensor of its own."""
-        return None
+        return feature_names(self.sae)
 
     def bound(self, sae: SAE, location: str) -> Op:
         """The worker's reader of this SAE's features at `location`."""
@@ -139,7 +136,7 @@ class FeatureReads(RowResults):
 
     def saved_names(self, location: str) -> tuple[str, ...]:
         """As the `Features` it binds."""
-        return tuple(f"{self.sae_name}.{suffix}" for suffix in Features.RESULTS)
+        return feature_names(self.sae_name)
 
     def row_results(self, rows: torch.Tensor, services: Services) -> tuple[torch.Tensor, ...]:
         """`(indices, values)` of the `top_k` largest features of each row of `rows`
@@ -152,10 +149,6 @@ class FeatureReads(RowResults):
 
     def serve(self, visit: Visit) -> None:
         """Encode the rows the op keeps and save their top features (rank 0 keeps them)."""
-        if visit.token_axis != 1 or len(visit.value.eproperty.layout) != 3:
-            layout = " ".join(visit.value.eproperty.layout)
-            raise ValueError(f"an SAE reads a value of one row per token [batch tokens width]; "
-                             f"{visit.location} is [{layout}]")
         if not visit.services.keeps_saves:
             return
         found = [(first, tuple(result.unsqueeze(0) for result in self.row_results(
@@ -187,15 +180,6 @@ def _check_features(op: SAEOp, features: Any) -> dict[int, float]:
     return checked
 
 
-def _indices_in(op: SAEOp, features: dict[int, float], sae: SAE) -> torch.Tensor:
-    """The feature indices as a tensor on the SAE's device, refused by name past `d_sae`."""
-    beyond = [index for index in features if index >= sae.d_sae]
-    if beyond:
-        raise ValueError(f"{type(op).__name__}(sae={op.sae!r}): features {beyond} are not "
-                         f"among the SAE's {sae.d_sae} (indices 0..{sae.d_sae - 1})")
-    return torch.tensor(list(features), dtype=torch.long, device=sae.W_dec.device)
-
-
 @dataclass(frozen=True)
 class _FeatureValues(SAEOp):
     """An SAE op that takes `features`, `{index: value}`."""
@@ -205,6 +189,17 @@ class _FeatureValues(SAEOp):
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", _check_features(self, self.features))
         super().__post_init__()
+
+    def on(self, sae: SAE) -> tuple[torch.Tensor, torch.Tensor]:
+        """`features` as indices (int64) and values (the SAE's dtype) on the SAE's device,
+        refused by name past its `d_sae`."""
+        beyond = [index for index in self.features if index >= sae.d_sae]
+        if beyond:
+            raise ValueError(f"{type(self).__name__}(sae={self.sae!r}): features {beyond} are "
+                             f"not among the SAE's {sae.d_sae} (indices 0..{sae.d_sae - 1})")
+        device = sae.W_dec.device
+        return (torch.tensor(list(self.features), dtype=torch.long, device=device),
+                torch.tensor(list(self.features.values()), dtype=sae.dtype, device=device))
 
     def data_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """`features` as `[[index, value], ...]` (plain data with string-free keys)."""
@@ -226,11 +221,6 @@ class _FeatureValues(SAEOp):
             return fields
         return {**fields, "features": found}
 
-    def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
-                      ) -> str | None:
-        """No tensor of its own."""
-        return None
-
 
 @dataclass(frozen=True)
 class SteerFeatures(_FeatureValues):
@@ -242,9 +232,7 @@ class SteerFeatures(_FeatureValues):
 
     def bound(self, sae: SAE, location: str) -> Op:
         """The `Add` of the summed directions, in the SAE's dtype."""
-        indices = _indices_in(self, self.features, sae)
-        values = torch.tensor(list(self.features.values()), dtype=sae.dtype,
-                              device=sae.W_dec.device)
+        indices, values = self.on(sae)
         return Add(location, values @ sae.W_dec.index_select(0, indices),
                    positions=self.positions, steps=self.steps, tokens=self.tokens)
 
@@ -260,9 +248,7 @@ class ClampFeatures(_FeatureValues):
 
     def bound(self, sae: SAE, location: str) -> Op:
         """The worker's clamp, holding the SAE and the features' indices and values."""
-        indices = _indices_in(self, self.features, sae)
-        values = torch.tensor(list(self.features.values()), dtype=sae.dtype,
-                              device=sae.W_dec.device)
+        indices, values = self.on(sae)
         return FeatureClamp(location, sae_name=self.sae, sae=sae, indices=indices, values=values,
                             positions=self.positions, steps=self.steps, tokens=self.tokens)
 
@@ -281,25 +267,9 @@ class FeatureClamp(EditOp):
     indices: torch.Tensor = field(kw_only=True, repr=False, compare=False)
     values: torch.Tensor = field(kw_only=True, repr=False, compare=False)
 
-    def encoded(self, rows: torch.Tensor) -> torch.Tensor:
-        """The clamped features' values in the SAE's encoding of `rows` (`[..., d_in]`)."""
-        sae = self.sae
-        if sae.architecture == "topk":  # a feature's value depends on the others'
-            return sae.encode(rows).index_select(-1, self.indices)
-        x = rows.to(sae.dtype)
-        if sae.apply_b_dec_to_input:
-            x = x - sae.b_dec
-        hidden = x @ sae.W_enc.index_select(1, self.indices) \
-            + sae.b_enc.index_select(0, self.indices)
-        if sae.architecture == "jumprelu":
-            assert sae.threshold is not None
-            return hidden.relu() * (hidden > sae.threshold.index_select(0, self.indices)).to(
-                hidden.dtype)
-        return hidden.relu()
-
     def edited(self, current: torch.Tensor, layout: tuple[str, ...],
                operand: torch.Tensor | None = None) -> torch.Tensor:
         """`current + (values - f[indices]) @ W_dec[indices]`, added in `current`'s dtype."""
-        change = (self.values - self.encoded(current)) @ self.sae.W_dec.index_select(
-            0, self.indices)
+        change = (self.values - self.sae.encode_features(current, self.indices)) \
+            @ self.sae.W_dec.index_select(0, self.indices)
         return current + change.to(current.dtype)

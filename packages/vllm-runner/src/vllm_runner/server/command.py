@@ -68,7 +68,7 @@ def serve_command(model: str, options: Sequence[str], on_cpu: bool,
     return command
 
 
-def with_taps(options: Sequence[str]) -> list[str]:
+def with_additional_config(options: Sequence[str]) -> list[str]:
     """The options with `--interp-taps PATTERNS` and `--interp-graph-taps PATTERNS`
     (comma-separated location patterns) and each `--interp-sae NAME=PATH` turned into vLLM's
     `--additional-config`, merged into the user's own if given (pure but for the check that
@@ -163,7 +163,7 @@ def run_serve(given: Sequence[str]) -> None:
 
     from vllm_runner.client.engine_start import CPU_KV_CACHE_VARIABLE, default_cpu_kv_cache
 
-    options, interp_environment = split_options(with_taps(options))
+    options, interp_environment = split_options(with_additional_config(options))
     on_cpu = current_platform.is_cpu()
     kv_cache_bytes = None
     if on_cpu and not os.environ.get(CPU_KV_CACHE_VARIABLE):

@@ -24,7 +24,7 @@ OPTIONS: dict[str, tuple[str, bool]] = {
     "--interp-saves-ttl-s": ("VLLM_INTERP_SERVE_SAVES_TTL_S", True),
 }
 #: Options that set the engine's taps (`LLM(taps=, graph_taps=)`), in this order: they travel in
-#: vLLM's `--additional-config` (`server.command.with_taps`), not in the environment.
+#: vLLM's `--additional-config` (`server.command.with_additional_config`), not in the environment.
 TAP_OPTIONS = ("--interp-taps", "--interp-graph-taps")
 #: The option that loads an SAE (`LLM(saes=...)`), once per SAE: `--interp-sae NAME=PATH`; it
 #: travels in vLLM's `--additional-config` too.
