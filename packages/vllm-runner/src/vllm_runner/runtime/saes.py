@@ -125,7 +125,7 @@ class LoadedSAEs:
         engine's SAEs if there is none."""
         found = self.loaded.get(name)
         if found is None and name in self.refused:
-            raise LocationError(f"the SAE {name!r} was refused at start-up: {self.refused[name]}")
+            raise LocationError(f"the SAE {name!r} was refused when loaded: {self.refused[name]}")
         if found is None:
             have = ", ".join(sorted(self.loaded)) or "none: start it with LLM(saes={name: path})"
             raise LocationError(f"no SAE named {name!r} in this engine (its SAEs: {have})")
