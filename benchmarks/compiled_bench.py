@@ -39,6 +39,17 @@ programs: between (bare) and (a), what the graph tap's in-graph work costs every
 (nobreaks) our `LLM` as for (a) with `VLLM_INTERP_BREAK_AT_TAPS=0` (no full graphs captured
 again, broken at the taps), no programs: what those captures cost every step.
 
+The SAE arms (`--arms sf,ss,sc,sf32`, issue [P]) load random JumpReLU SAEs of `--sae-width`
+features at the middle layer's output (the graph tap) into ours (`LLM(saes=...)`), one in bf16
+and one in fp32 (the dtype SAELens saves; an SAE computes in its own): (sf) every request reads
+the bf16 SAE's top 64 `Features` per token; (sf32) the same with the fp32 SAE; (ss) every
+request steered by one feature (`SteerFeatures`: an `Add`, in the graph); (sc) every request
+clamps one feature (`ClampFeatures`).
+
+`--prompt-tokens N` gives every prompt N tokens (the shapes people run: 512), instead of 32-256;
+`--dummy-weights` starts every engine with vLLM's `load_format="dummy"` from the shape's config
+alone (speed depends on shapes, not trained values; an 8B model then needs no 16 GB on disk).
+
 Each engine's core runs in its engine's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where the
 profilers see it; `--engine-core-apart` runs it as vLLM does by default, in a process of its own, so
 saves collected cross processes as users' do (`vllm_runner.saves.wire`). Our engine reports the
@@ -101,7 +112,14 @@ NAMES = {
     "bare": "our LLM with no taps declared, no programs",
     "taps": "our LLM with every layer tapped but no graph tap, no programs",
     "nobreaks": "our LLM as for (a), without full graphs broken at the taps, no programs",
+    "sf": "every request reads an SAE's top-64 Features per token at one layer (bf16 SAE)",
+    "sf32": "every request reads an SAE's top-64 Features per token at one layer (fp32 SAE)",
+    "ss": "every request steered by one SAE feature at one layer (SteerFeatures)",
+    "sc": "every request clamps one SAE feature at one layer (ClampFeatures, bf16 SAE)",
 }
+#: The SAE arms' SAEs in ours, by name: both read the middle layer's output.
+SAE_DTYPES = {"middle": "bfloat16", "middle32": "float32"}
+SAE_ARMS = ("sf", "sf32", "ss", "sc")
 #: What a run without `--arms` measures: every arm on our one engine (each arm of
 #: `OWN_ENGINE` adds an engine start, ~65 s on a GPU, and a call there may run 10 minutes).
 DEFAULT_ARMS = ("a", "e", "b", "d", "ablate", "c", "call", "callrows", "call1", "untapped",
@@ -111,7 +129,8 @@ DEFAULT_ARMS = ("a", "e", "b", "d", "ablate", "c", "call", "callrows", "call1", 
 OWN_ENGINE = {"cg": "ours every layer", "eager": "eager", "twin": "twin", "bare": "bare",
               "taps": "ours taps only", "nobreaks": "ours no breaks"}
 # The issue's targets on a GPU (ratio to the default engine); on the CPU only (a) has one.
-GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "cg": 0.5, "call": 0.6}
+GPU_TARGETS = {"a": 0.98, "e": 0.95, "b": 0.93, "d": 0.93, "c": 0.5, "cg": 0.5, "call": 0.6,
+               "sf": 0.90, "sc": 0.90, "ss": 0.97}
 CPU_TARGETS = {"a": 0.98}
 # How often a waiting coordinator looks whether its child still lives, and how long it waits.
 POLL_SECONDS = 2.0
@@ -154,16 +173,23 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list[Any
         return [[ops.Save(f"layers.{middle}.attention_output")]] * requests
     if arm == "probe":
         return [[ops.Save("layers.*.layer_output", positions=(-1,))]] * requests
+    if arm in ("sf", "sf32"):
+        return [[ops.Features(sae="middle" if arm == "sf" else "middle32", top_k=64)]] * requests
+    if arm == "ss":
+        return [[ops.SteerFeatures(sae="middle", features={7: 4.0})]] * requests
+    if arm == "sc":
+        return [[ops.ClampFeatures(sae="middle", features={7: 0.0})]] * requests
     raise ValueError(f"unknown arm {arm!r}")
 
 
 def serve_engine(kind: str, model: str, settings: dict[str, Any],
-                 taps: tuple[list[str], list[str]], engine_core_apart: bool, jobs: Any,
-                 results: Any) -> None:
-    """A child process: one engine (`default`, `eager` or `ours`), then one timed workload per
-    job `(arm, prompts, width, max_tokens, profiler)`, its seconds sent back with the seconds
-    our engine spent collecting saves in them (and, with a profiler of `PROFILERS`, its
-    report). The engine core runs in this process unless `engine_core_apart` (vLLM's default)."""
+                 taps: tuple[list[str], list[str]], saes: dict[str, str],
+                 engine_core_apart: bool, jobs: Any, results: Any) -> None:
+    """A child process: one engine (`default`, `eager` or `ours`, with `saes` if any), then one
+    timed workload per job `(arm, prompts, width, max_tokens, profiler)`, its seconds sent back
+    with the seconds our engine spent collecting saves in them (and, with a profiler of
+    `PROFILERS`, its report). The engine core runs in this process unless `engine_core_apart`
+    (vLLM's default)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core_apart else "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     exit_on_sigterm()  # `Engine.stop`: the `finally` below then shuts an apart core down
@@ -175,7 +201,8 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
 
         # "ours bare" is what a user who declares no taps runs.
         tapped = {} if kind == "ours bare" else {"taps": taps[0], "graph_taps": taps[1]}
-        engine: Any = LLM(model, enforce_eager=False, **tapped, **settings)
+        engine: Any = LLM(model, enforce_eager=False, **tapped, **settings,
+                          **({"saes": saes} if saes else {}))
         engine._attach_saves = timed(engine._attach_saves, collecting)
     else:
         import vllm
@@ -244,13 +271,14 @@ class Engine:
     """A child process holding one engine, and the queues to it."""
 
     def __init__(self, kind: str, model: str, settings: dict[str, Any],
-                 taps: tuple[list[str], list[str]] = ([], []),
+                 taps: tuple[list[str], list[str]] = ([], []), saes: dict[str, str] | None = None,
                  engine_core_apart: bool = False) -> None:
         context = multiprocessing.get_context("spawn")
         self.kind = kind
         self.jobs, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=serve_engine, name=f"engine-{kind}", args=(
-            kind, model, settings, taps, engine_core_apart, self.jobs, self.results))
+            kind, model, settings, taps, saes or {}, engine_core_apart, self.jobs,
+            self.results))
         self.process.start()
         started = time.perf_counter()
         try:
@@ -387,6 +415,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--requests", type=int, default=64, help="requests per run")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="every prompt this many tokens (default: 32-256, drawn per prompt)")
+    parser.add_argument("--dummy-weights", action="store_true",
+                        help="with --shape: write its config alone and start every engine with "
+                             "vLLM's load_format='dummy'")
+    parser.add_argument("--sae-width", type=int, default=16384,
+                        help="features of the SAE arms' random SAEs (default: 16384)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed pairs per arm; 0 with --profile: only profile the arms")
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS),
@@ -422,10 +457,15 @@ def main() -> None:
     else:
         settings["kv_cache_memory_bytes"] = 1 << 30
     model = arguments.model
+    if arguments.dummy_weights and not arguments.shape:
+        raise SystemExit("--dummy-weights takes a --shape (a model's own weights are loaded)")
     if arguments.shape:
         model = random_checkpoint(arguments.shape, tempfile.mkdtemp(),
-                                  getattr(torch, arguments.dtype), "cuda" if on_gpu else "cpu")
+                                  getattr(torch, arguments.dtype), "cuda" if on_gpu else "cpu",
+                                  weights=not arguments.dummy_weights)
         settings["skip_tokenizer_init"] = True
+        if arguments.dummy_weights:
+            settings["load_format"] = "dummy"
     if model is None:
         from vllm_runner.client.embedded import default_model
 
@@ -435,6 +475,13 @@ def main() -> None:
     config = AutoConfig.from_pretrained(model)
     middle = config.num_hidden_layers // 2
     taps = (["layers.*.layer_output"], [f"layers.{middle}.layer_output"])
+    saes = {}
+    if set(arms) & set(SAE_ARMS):
+        from random_models import random_sae_folder
+
+        saes = {name: random_sae_folder(config.hidden_size, arguments.sae_width, middle,
+                                        getattr(torch, dtype))
+                for name, dtype in SAE_DTYPES.items()}
     planned = planned_engines(arms, profile_only, taps)
     if on_gpu:
         check_gpu_memory(planned, arguments.gpu_memory_utilization)
@@ -446,6 +493,7 @@ def main() -> None:
         # One engine at a time starts (start-up compiles, and would compete for the cores).
         for name, kind, engine_taps in planned:
             engines[name] = Engine(kind, model, settings, engine_taps,
+                                   saes if kind == "ours" else None,
                                    arguments.engine_core_apart)
         measure(arguments, arms, engines, config, model, on_gpu, profile_only)
 
@@ -460,8 +508,10 @@ def measure(arguments: argparse.Namespace, arms: list[str], engines: dict[str, E
 
     def fresh_prompts() -> list[list[int]]:
         # New prompts for every pair: no engine has them in its prefix cache.
+        lengths = [arguments.prompt_tokens] * arguments.requests if arguments.prompt_tokens \
+            else torch.randint(32, 257, (arguments.requests,), generator=generator).tolist()
         return [torch.randint(0, config.vocab_size, (int(length),), generator=generator).tolist()
-                for length in torch.randint(32, 257, (arguments.requests,), generator=generator)]
+                for length in lengths]
 
     def arm_engine_of(arm: str) -> Engine:
         return engines[OWN_ENGINE.get(arm, "ours")]
@@ -583,8 +633,10 @@ def render(arguments: argparse.Namespace, arms: list[str], timings: Timings,
         "",
         f"Written by `benchmarks/compiled_bench.py` on {datetime.date.today()} ({device}, "
         f"torch {torch.__version__}, vLLM {vllm.__version__}); model `{name}`, "
-        f"{arguments.dtype}; {arguments.requests} requests per run, {arguments.concurrency} in "
-        f"flight, prompts of 32-256 random tokens, {arguments.max_tokens} generated each; "
+        f"{arguments.dtype}" + (" (vLLM's dummy weights)" if arguments.dummy_weights else "") +
+        f"; {arguments.requests} requests per run, {arguments.concurrency} in "
+        f"flight, prompts of {arguments.prompt_tokens or '32-256'} random tokens, "
+        f"{arguments.max_tokens} generated each; "
         f"{arguments.repeats} repeats" + ("" if done == arguments.repeats else
                                           f" (**{done} done**: the run stopped there)") +
         ". Each engine in a process of its own: vLLM's default "
@@ -595,6 +647,9 @@ def render(arguments: argparse.Namespace, arms: list[str], timings: Timings,
         "nobreaks ours without the full graphs broken at the taps "
         "(`VLLM_INTERP_BREAK_AT_TAPS=0`), for bare ours with no taps, for twin vLLM's default "
         "engine again, for eager vLLM's eager engine; " + (
+            f"ours with two random JumpReLU SAEs of {arguments.sae_width} features at the "
+            "middle layer's output, one bf16, one fp32 (the SAE arms'); "
+            if set(arms) & set(SAE_ARMS) else "") + (
             "each engine's core in a process of its own, as vLLM runs it by default (saves "
             "cross processes). " if arguments.engine_core_apart else
             "each engine's core in the engine's process (saves do not cross processes). ") +

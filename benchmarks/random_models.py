@@ -1,8 +1,11 @@
-"""Random-weight Llama checkpoints of real models' shapes, for benchmarks and GPU checks.
+"""Random-weight Llama checkpoints of real models' shapes, and random SAEs, for benchmarks and
+GPU checks.
 
 No weights can be downloaded here or on the lent GPU, and speed depends on shapes, not on
 trained values: a random model of SmolLM2-135M's or Llama-3.2-1B's shape costs what the real one
-costs. `tiny` is for fast runs on CPU.
+costs. `tiny` is for fast runs on CPU. A checkpoint may also be its config alone
+(`weights=False`), for vLLM's `load_format="dummy"`, which fills the weights itself: a model of
+Llama-3.1-8B's shape then starts without 16 GB written to disk and read back.
 """
 
 from __future__ import annotations
@@ -27,15 +30,19 @@ SHAPES = {
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=64, tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, tie_word_embeddings=False, rope_theta=500000.0),
 }
 
 
 def random_checkpoint(shape: str, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
-                      device: str = "cpu") -> str:
+                      device: str = "cpu", weights: bool = True) -> str:
     """Save a random Llama of `shape` (a key of `SHAPES`) into `folder` once; return its path.
 
     Weights are drawn with a fixed seed at a scale (std 0.02, transformers' own init) that keeps
-    bf16 activations finite through every layer."""
+    bf16 activations finite through every layer. `weights=False` saves the config alone (for
+    `load_format="dummy"`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if shape not in SHAPES:
@@ -45,9 +52,13 @@ def random_checkpoint(shape: str, folder: str | Path, dtype: torch.dtype = torch
         return str(path)
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=4096, rms_norm_eps=1e-5, **SHAPES[shape])
-    with torch.device(device):  # initialising 1B parameters on a GPU takes a second, not a minute
-        model = LlamaForCausalLM(config).to(dtype)
-    model.save_pretrained(path, safe_serialization=True)
+    if weights:
+        with torch.device(device):  # initialising 1B parameters on a GPU takes a second
+            model = LlamaForCausalLM(config).to(dtype)
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        config.dtype = dtype
+        config.save_pretrained(path)
     # A generation config without sampling defaults, so both engines sample the same way.
     (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     return str(path)
@@ -60,3 +71,22 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
                         help="instead of --model: a random model of this shape")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
+def random_sae_folder(hidden: int, width: int, layer: int,
+                      dtype: torch.dtype = torch.float32) -> str:
+    """A random JumpReLU SAE of `width` features reading layer `layer`'s output of a model
+    `hidden` wide, in SAELens's format and `dtype`, in a new temporary folder. Speed depends on
+    its shape and dtype, not its values."""
+    import tempfile
+
+    from saecodec import SAE, Site
+
+    generator = torch.Generator().manual_seed(1)
+    sae = SAE("jumprelu", torch.randn(hidden, width, generator=generator) / hidden ** 0.5,
+              torch.zeros(width), torch.randn(width, hidden, generator=generator) / hidden ** 0.5,
+              torch.zeros(hidden), threshold=torch.full((width,), 0.5),
+              site=Site(hook_name=f"blocks.{layer}.hook_resid_post")).to(dtype=dtype)
+    folder = tempfile.mkdtemp()
+    sae.save(folder)
+    return folder

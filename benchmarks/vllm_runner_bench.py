@@ -55,7 +55,7 @@ import torch
 import vllm
 from pairs import timed_pair
 from profiles import python_profile
-from random_models import add_model_arguments, random_checkpoint
+from random_models import add_model_arguments, random_checkpoint, random_sae_folder
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_runner import LLM, ops
@@ -118,21 +118,6 @@ def programs(arm: str, requests: int, layers: int, hidden: int) -> list[list] | 
     if arm == "sc":
         return [[ops.ClampFeatures(sae=SAE_NAME, features={7: 0.0})]] * requests
     raise ValueError(f"unknown arm {arm!r}")
-
-
-def random_sae_folder(hidden: int, width: int, layer: int) -> str:
-    """A random JumpReLU SAE of `width` features at layer `layer`'s output, in SAELens's format,
-    in a new temporary folder."""
-    from saecodec import SAE, Site
-
-    generator = torch.Generator().manual_seed(1)
-    sae = SAE("jumprelu", torch.randn(hidden, width, generator=generator) / hidden ** 0.5,
-              torch.zeros(width), torch.randn(width, hidden, generator=generator) / hidden ** 0.5,
-              torch.zeros(hidden), threshold=torch.full((width,), 0.5),
-              site=Site(hook_name=f"blocks.{layer}.hook_resid_post"))
-    folder = tempfile.mkdtemp()
-    sae.save(folder)
-    return folder
 
 
 def timed(run: Callable[[], object]) -> float:
