@@ -168,16 +168,47 @@ def _run_tests(session: nox.Session, package: str) -> None:
     groups = [argument for path in (package_dir, *guests) for argument in _group(path, "test")]
     _install(session, *map(str, local), *groups, package_dirs=[package_dir])
     elsewhere = ["-m", "not vllm"] if _vllm_tests_run_with(package_dir) else []
+    oracles = _oracle_pythons(session, package_dir)
     session.run("pytest", str(package_dir / "tests"), *elsewhere, *_workers(package_dir),
-                *session.posargs)
+                *session.posargs, env=oracles)
     if _pyproject(package_dir).get("tool", {}).get("vllm-interp", {}).get("test-compiled-pass"):
         # Issue [K]: the suite passes with vLLM's compiled engine as well as eager. The second
         # pass runs the tests of the suite's shared engine, compiled (`VLLM_INTERP_SUITE_COMPILED`
         # in its conftest); tests that start engines of their own ran in the first.
         session.run("pytest", str(package_dir / "tests"), *elsewhere, *_workers(package_dir),
-                    *session.posargs, env={"VLLM_INTERP_SUITE_COMPILED": "1"})
+                    *session.posargs, env={**oracles, "VLLM_INTERP_SUITE_COMPILED": "1"})
     for guest in guests:
         session.run("pytest", str(guest / "tests"), "-m", "vllm")
+
+
+def _oracle_pythons(session: nox.Session, package_dir: Path) -> dict[str, str]:
+    """Environments of their own for oracles that cannot share the package's (`[tool.vllm-interp]
+    oracle-environments`: a variable naming a sibling package, e.g. SAELens beside saecodec,
+    whose pins do not fit vLLM's): each holds that package and its `test` group, and the
+    variable is set to its Python for the tests, which run the oracle there in a subprocess."""
+    wanted = _pyproject(package_dir).get("tool", {}).get("vllm-interp", {}).get(
+        "oracle-environments", {})
+    found: dict[str, str] = {}
+    for variable, sibling in wanted.items():
+        sibling_dir = _package_dirs()[sibling]
+        place = Path(session.create_tmp()) / f"oracle-{sibling}"  # inside the session's venv:
+        # discarded with it
+        python = str(place / "bin" / "python")
+        requirements = ["--constraint", str(CONSTRAINTS), str(sibling_dir),
+                        *_group(sibling_dir, "test")]
+        if session.venv_backend == "uv":
+            session.run("uv", "venv", "--quiet", "--python", sys.executable, str(place))
+            session.run("uv", "pip", "install", "--quiet", "--python", python, *_pip_find_links(),
+                        *requirements)
+            session.run("uv", "pip", "uninstall", "--quiet", "--python", python,
+                        *CUDA_ONLY_COMPANIONS)
+        else:
+            session.run(sys.executable, "-m", "venv", str(place), external=True)
+            session.run(python, "-m", "pip", "install", "--quiet", *requirements, external=True)
+            session.run(python, "-m", "pip", "uninstall", "--yes", "--quiet",
+                        *CUDA_ONLY_COMPANIONS, external=True)
+        found[variable] = python
+    return found
 
 
 def _workers(package_dir: Path) -> list[str]:

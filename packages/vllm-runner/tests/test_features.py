@@ -6,13 +6,16 @@ by hand, and clamping to the encoded value changes nothing. Bad input fails by n
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import GENERATED, PROMPTS, SUITE_SAES, engine_script_environment, random_sae
 from saecodec import SAE
+from safetensors.torch import load_file, save_file
 from test_lens import answers_of
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -95,6 +98,45 @@ def test_features_equal_the_sae_on_transformers_hidden_states(llm, reference, sa
         assert bool((values[0, :, :-1] >= values[0, :, 1:]).all())  # largest first
         assert bool(((indices == -1) == (values == 0)).all())
         assert int((indices >= 0).sum()) > positions  # the check can fail: features are active
+
+
+#: The Python of an environment holding SAELens (`nox -s tests` makes one: the noxfile's
+#: `_oracle_pythons`).
+SAELENS_PYTHON = os.environ.get("VLLM_INTERP_SAELENS_PYTHON")
+
+
+@pytest.mark.skipif(not SAELENS_PYTHON, reason="needs VLLM_INTERP_SAELENS_PYTHON, the Python "
+                    "of an environment with SAELens (nox -s tests makes one and sets it)")
+def test_features_equal_saelens_itself_on_transformers_hidden_states(llm, reference, saes,
+                                                                     sae_dirs, tmp_path) -> None:
+    """The oracle we did not write: each suite SAE loaded by SAELens from the same folder and
+    encoding transformers' value at its site (in SAELens's own environment) gives the features
+    the engine saved, every one of them (`top_k` the SAE's width; a TopK SAE's own k)."""
+    top_k = {name: None if sae.k is not None else sae.d_sae for name, sae in saes.items()}
+    outputs = _run(llm, [[ops.Features(sae=name, top_k=k) for name, k in top_k.items()]]
+                   * len(PROMPTS))
+    values = {}
+    for index, (prompt, output) in enumerate(zip(PROMPTS, outputs, strict=True)):
+        assert output.error is None, output.error
+        tokens = prompt + list(output.outputs[0].token_ids)[:-1]
+        for name in saes:
+            values[f"{name}/{index}"] = site_values(reference, tokens, name).float().contiguous()
+    request = {"values": str(tmp_path / "values.safetensors"), "saes": sae_dirs,
+               "out": str(tmp_path / "encoded.safetensors")}
+    save_file(values, request["values"])
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    subprocess.run([SAELENS_PYTHON, str(Path(__file__).with_name("saelens_encode.py")),
+                    str(tmp_path / "request.json")], check=True, timeout=600)
+    theirs = load_file(request["out"])
+    assert set(theirs) == set(values)
+    for key, expected in theirs.items():
+        name, index = key.split("/")
+        saved = outputs[int(index)].saved
+        got = dense(saved[f"{name}.features.indices"], saved[f"{name}.features.values"],
+                    saes[name].d_sae)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max() <= TOLERANCE, key
+        assert int((expected > 0).sum()) > expected.shape[0]  # features are active: can fail
 
 
 @torch.no_grad()
