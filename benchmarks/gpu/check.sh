@@ -29,6 +29,8 @@
 #                                         engine with taps, against vLLM's default engine (each in
 #                                         its own process); REQUESTS per run (256; 64 = one wave:
 #                                         short pairs, many repeats, less of the host's noise)
+#   benchmarks/gpu/check.sh sae [REPEATS]   (e) the SAE ops ([P]) at the Llama-3.1-8B shape against
+#                                         vLLM's default engine (ARMS= picks of a,sf,sf32,ss,sc)
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
 # Run benchmarks one at a time: beside a second one on the other GPU the bare engine was 1.6x
 # slower (host work of two processes), and arms whose cost is host work more so.
@@ -269,6 +271,21 @@ compiled() {
     > "$out/$name.log" 2>&1
   local status=$?
   grep -v WARNING "$out/$name.log" | grep -v "Capturing CUDA graphs" | tail -30
+  return $status
+}
+
+sae() {
+  # Issue [P]: the SAE ops at the Llama-3.1-8B shape (vLLM's dummy weights) against vLLM's default
+  # engine, each in its own process: 256 requests x (512 prompt + 128 generated), SAEs of 65,536
+  # features at layer 16 (docs/benchmarks.md, "SAE features at the Llama-3.1-8B shape"). ~420 s
+  # on an H100 with 3 repeats.
+  local repeats=${1:-3}
+  $python benchmarks/compiled_bench.py --shape llama-3.1-8b --dummy-weights --dtype bfloat16 \
+    --arms "${ARMS:-a,sf,sf32,ss,sc}" --requests 256 --concurrency 256 --prompt-tokens 512 \
+    --max-tokens 128 --sae-width 65536 --repeats "$repeats" --gpu-memory-utilization 0.42 \
+    --out "$out/sae-gpu.md" > "$out/sae-gpu.log" 2>&1
+  local status=$?
+  grep -v WARNING "$out/sae-gpu.log" | grep -v "Capturing CUDA graphs" | tail -30
   return $status
 }
 
