@@ -53,22 +53,28 @@ def test_extract_writes_what_generate_saves(llm, prompts, in_memory, tmp_path) -
 
 def test_extract_writes_the_sae_features_generate_gives(llm, prompts, tmp_path) -> None:
     """`features=`: each SAE's sparse features (`ops.Features`) per prompt, beside a location,
-    equal to what `generate` gives in memory; the SAEs and top-k are part of the settings."""
-    features = {"res1": 6, "mlp0": None}
+    equal to what `generate` gives in memory (a standard SAE's every active feature, `top_k`
+    None, as wide as each prompt's busiest token); the SAEs and top-k are part of the
+    settings."""
+    features = {"res1": 6, "mlp0": None, "pre2": None}
     out = extract(llm, prompts[:12], ["layers.0.layer_output"], tmp_path / "run", shard_size=5,
                   progress=False, features=features)
     outputs = llm.generate(prompts[:12], SamplingParams(max_tokens=1, temperature=0.0),
                            interventions=[ops.Save("layers.0.layer_output"),
                                           ops.Features(sae="res1", top_k=6),
-                                          ops.Features(sae="mlp0")], use_tqdm=False)
+                                          ops.Features(sae="mlp0"),
+                                          ops.Features(sae="pre2")], use_tqdm=False)
     records = list(load(out))
     assert len(records) == 12
     for record, output in zip(records, outputs, strict=True):
         assert set(record) - {"index", "token_ids"} == set(output.saved) == {
             "layers.0.layer_output", "res1.features.indices", "res1.features.values",
-            "mlp0.features.indices", "mlp0.features.values"}
+            "mlp0.features.indices", "mlp0.features.values", "pre2.features.indices",
+            "pre2.features.values"}
         assert record["res1.features.indices"].shape == (len(record["token_ids"]), 6)
         assert record["mlp0.features.indices"].shape == (len(record["token_ids"]), 8)
+        assert record["pre2.features.indices"].shape[1] == int(
+            (record["pre2.features.indices"] >= 0).sum(-1).max())
         for name, value in output.saved.items():
             torch.testing.assert_close(record[name], value[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ExtractionMismatch, match="features"):

@@ -111,10 +111,8 @@ def test_features_equal_saelens_itself_on_transformers_hidden_states(llm, refere
                                                                      sae_dirs, tmp_path) -> None:
     """The oracle we did not write: each suite SAE loaded by SAELens from the same folder and
     encoding transformers' value at its site (in SAELens's own environment) gives the features
-    the engine saved, every one of them (`top_k` the SAE's width; a TopK SAE's own k)."""
-    top_k = {name: None if sae.k is not None else sae.d_sae for name, sae in saes.items()}
-    outputs = _run(llm, [[ops.Features(sae=name, top_k=k) for name, k in top_k.items()]]
-                   * len(PROMPTS))
+    the engine saved, every active one (`top_k=None`)."""
+    outputs = _run(llm, [[ops.Features(sae=name) for name in saes]] * len(PROMPTS))
     values = {}
     for index, (prompt, output) in enumerate(zip(PROMPTS, outputs, strict=True)):
         assert output.error is None, output.error
@@ -137,6 +135,33 @@ def test_features_equal_saelens_itself_on_transformers_hidden_states(llm, refere
         assert got.shape == expected.shape
         assert (got - expected).abs().max() <= TOLERANCE, key
         assert int((expected > 0).sum()) > expected.shape[0]  # features are active: can fail
+
+
+def test_every_active_feature_without_top_k(llm, reference, saes) -> None:
+    """`top_k=None` on SAEs with no bound on the features active at a token (JumpReLU,
+    standard): every active feature at every position, as wide as the request's busiest
+    position (each step's pieces padded to it), requests served one by one beside others
+    reading a fixed top_k."""
+    programs = [[ops.Features(sae="res1")], [ops.Features(sae="pre2")],
+                [ops.Features(sae="res1", top_k=4)]]
+    outputs = _run(llm, [programs[i % 3] for i in range(len(PROMPTS))])
+    for index, (prompt, output) in enumerate(zip(PROMPTS, outputs, strict=True)):
+        assert output.error is None, output.error
+        name = "pre2" if index % 3 == 1 else "res1"
+        indices = output.saved[f"{name}.features.indices"]
+        values = output.saved[f"{name}.features.values"]
+        expected = saes[name].encode(site_values(reference, prompt + list(
+            output.outputs[0].token_ids)[:-1], name))
+        if index % 3 == 2:
+            assert indices.shape[2] == 4
+            continue
+        active = (expected != 0).sum(-1)
+        assert indices.shape == values.shape == (1, len(prompt) + GENERATED - 1,
+                                                 int(active.max()))
+        assert int(active.min()) < int(active.max())  # the padding is checked: can fail
+        assert ((indices[0] >= 0).sum(-1) == active).all()
+        assert bool(((indices == -1) == (values == 0)).all())
+        assert (dense(indices, values, saes[name].d_sae) - expected).abs().max() <= TOLERANCE
 
 
 @torch.no_grad()
@@ -239,8 +264,8 @@ def test_clamping_to_the_encoded_value_changes_nothing(llm, saes, name, every_ac
 
 
 def test_bad_sae_input_fails_by_name_and_alone(llm) -> None:
-    """An unknown SAE is refused before anything runs; a feature past the SAE's width or an
-    unbounded read fail their own request, naming it, and the others run."""
+    """An unknown SAE is refused before anything runs; a feature past the SAE's width or a
+    top_k past it fail their own request, naming it, and the others run."""
     with pytest.raises(LocationError, match=r"no SAE named 'res9'.*res1"):
         _run(llm, [[ops.Features(sae="res9", top_k=4)]] * len(PROMPTS))
     with pytest.raises(LocationError, match=r"one Features per SAE"):
@@ -251,9 +276,10 @@ def test_bad_sae_input_fails_by_name_and_alone(llm) -> None:
     with pytest.raises(ValueError, match=r"feature index -1"):
         ops.ClampFeatures(sae="res1", features={-1: 0.0})
     outputs = _run(llm, [[ops.SteerFeatures(sae="res1", features={512: 1.0})],
-                         [ops.Features(sae="res1")], [ops.Save("layers.0.layer_output")]])
+                         [ops.Features(sae="res1", top_k=513)],
+                         [ops.Save("layers.0.layer_output")]])
     assert "features [512] are not among the SAE's 512" in outputs[0].error
-    assert "jumprelu SAE has no bound" in outputs[1].error and "top_k" in outputs[1].error
+    assert "the SAE has 512 features; choose top_k <= 512" in outputs[1].error
     assert outputs[2].error is None and outputs[2].saved["layers.0.layer_output"].shape[1] == 2 \
         + GENERATED
 

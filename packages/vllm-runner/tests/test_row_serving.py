@@ -577,9 +577,11 @@ class SavesSeen(SaveStore):
         self.seen: list[tuple[str, torch.device, int]] = []
 
     def save(self, program_id: str, location: str, first_position: int, value: torch.Tensor,
-             token_axis: int | None, fill: float | None = None) -> None:
+             token_axis: int | None, fill: float | None = None,
+             width_is_position: bool = True) -> None:
         self.seen.append((location, value.device, value.shape[1]))
-        super().save(program_id, location, first_position, value, token_axis, fill)
+        super().save(program_id, location, first_position, value, token_axis, fill,
+                     width_is_position)
 
 
 def test_a_lens_that_keeps_no_row_saves_its_empty_results_once_where_the_engines_rows_are(

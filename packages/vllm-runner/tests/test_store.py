@@ -603,3 +603,29 @@ def test_unread_checks_fail_their_requests_when_a_failure_is_next_asked_about() 
     store.check_later(refused("p-e"))
     store.collect([("p-e", 10, {})])
     assert store.failed_so_far("p-e") and store.error("p-e") == "p-e is bad"
+
+
+@pytest.mark.parametrize("spilled", [False, True])
+def test_results_of_different_widths_are_padded_to_the_widest_not_cut(
+        monkeypatch, one_device_per_cat, spilled) -> None:
+    """An SAE's every active feature (`Features(top_k=None)`): each step's pieces as wide as its
+    busiest row, padded with their fill to the request's widest when collected (or moved to the
+    host first), and not cut to a position's width as an attention pattern's are; a filtered
+    position keeps its row's width."""
+    monkeypatch.setattr(host_copies, "STAGING_BYTES", 64)
+    store = SaveStore()
+    prefill = torch.arange(3 * 5).reshape(1, 3, 5)
+    decode = [torch.tensor([[[7, 8]]]), torch.tensor([[[9, 1, 2, 3, 4, 5, 6]]])]
+    store.save("x", "f", 0, on_a_device(prefill), 1, -1, width_is_position=False)
+    store.save("x", "f", 3, on_a_device(decode[0]), 1, -1, width_is_position=False)
+    if spilled:
+        store.spill(0)
+    store.save("x", "f", 4, on_a_device(decode[1]), 1, -1, width_is_position=False)
+    store.save("y", "f", 0, on_a_device(prefill), 1, -1, width_is_position=False)
+    found = store.collect([("x", 5, {"f": None}), ("y", 2, {"f": lambda position: position < 2})])
+    expected = torch.full((1, 5, 7), -1)
+    expected[0, :3, :5] = prefill[0]
+    expected[0, 3, :2] = decode[0][0, 0]
+    expected[0, 4] = decode[1][0, 0]
+    assert torch.equal(found["x"]["f"], expected)
+    assert torch.equal(found["y"]["f"], prefill[:, :2])

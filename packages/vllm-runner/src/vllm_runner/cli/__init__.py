@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "@SITE names the site for files that name none (Gemma Scope's "
                               "params.npz), e.g. @blocks.12.hook_resid_post; repeat for more")
     extract.add_argument("--top-k", type=int, default=None,
-                         help="features kept per token and SAE (default: a TopK SAE's k; "
-                              "needed for other SAEs)")
+                         help="features kept per token and SAE (default: every active one, "
+                              "as many as each prompt's busiest token has; slower on SAEs "
+                              "other than TopK)")
     extract.add_argument("--out", type=Path, required=True, help="output folder")
     extract.add_argument("--positions", type=_positions, default=None,
                          help="keep only these positions, e.g. '-1' for each prompt's last token")

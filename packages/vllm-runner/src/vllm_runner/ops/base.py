@@ -268,12 +268,14 @@ class RowOp(Op):
 
     def keep_results(self, visit: Visit, names: tuple[str, ...],
                      found: Sequence[tuple[int, tuple[torch.Tensor, ...]]],
-                     empty: Callable[[torch.device], tuple[torch.Tensor, ...]]) -> None:
+                     empty: Callable[[torch.device], tuple[torch.Tensor, ...]],
+                     fills: tuple[float, ...] | None = None) -> None:
         """Keep what the op computed from each run it kept (`found`: its first position and one
         tensor per name of `names`, rows along axis 1), on rank 0 only. Where it kept no row this
         step, one empty piece per name the first time (`empty(device)`, on the value's device:
         the store joins a request's pieces, one device for all), so that the names come back,
-        empty where no position they name is ever reached."""
+        empty where no position they name is ever reached. `fills`, one per name, for results
+        whose last axis differs from step to step: what pads them to the widest when joined."""
         if not visit.services.keeps_saves:
             return
         store, program_id = visit.services.store, visit.want.program_id
@@ -282,8 +284,9 @@ class RowOp(Op):
                 return
             found = [(visit.want.span.first_position, empty(visit.device))]
         for first, results in found:
-            for name, result in zip(names, results, strict=True):
-                store.save(program_id, name, first, result, 1)
+            for index, (name, result) in enumerate(zip(names, results, strict=True)):
+                store.save(program_id, name, first, result, 1,
+                           None if fills is None else fills[index], width_is_position=False)
 
     def selected_rows(self, positions: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
         """`keeps` for many rows at once: whether the op acts at each row, given each row's

@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from vllm_runner.ops.base import Op, RowOp, SAELookup
+from vllm_runner.ops.base import GroupServer, Op, RowOp, SAELookup
 from vllm_runner.ops.edits import Add, EditOp
 from vllm_runner.ops.reads import RowResults
 
@@ -82,8 +82,10 @@ class Features(SAEOp):
     """Save the SAE's features of each row it keeps: `saved[f"{sae}.features.indices"]`
     (int64) and `saved[f"{sae}.features.values"]`, each `[1, positions, top_k]`, the largest
     first; a slot with no active feature has index -1 and value 0. Only these leave the
-    worker. `top_k=None` keeps every active feature of a TopK SAE (its `k`); an SAE whose
-    features per token have no bound (standard, JumpReLU) needs `top_k`."""
+    worker. `top_k=None` keeps every active feature: a TopK SAE's `k`; for an SAE whose
+    features per token have no bound (standard, JumpReLU), as many as the request's busiest
+    token has (`[1, positions, most active]`), which costs more: each request is encoded
+    alone, and the worker waits for the device to count them at every step."""
 
     kind = "features"
     edits = False
@@ -108,14 +110,8 @@ class Features(SAEOp):
 
     def bound(self, sae: SAE, location: str) -> Op:
         """The worker's reader of this SAE's features at `location`."""
-        top_k = self.top_k
-        if top_k is None:
-            if sae.k is None:
-                raise ValueError(f"Features(sae={self.sae!r}): a {sae.architecture} SAE has no "
-                                 "bound on the features active at a token; give top_k (e.g. "
-                                 "top_k=64)")
-            top_k = sae.k
-        if top_k > sae.d_sae:
+        top_k = self.top_k if self.top_k is not None else sae.k
+        if top_k is not None and top_k > sae.d_sae:
             raise ValueError(f"Features(sae={self.sae!r}, top_k={top_k}): the SAE has "
                              f"{sae.d_sae} features; choose top_k <= {sae.d_sae}")
         return FeatureReads(location, sae_name=self.sae, sae=sae, top_k=top_k,
@@ -126,25 +122,39 @@ class Features(SAEOp):
 class FeatureReads(RowResults):
     """`Features` bound to its SAE in a worker (never sent): encode the rows it keeps and save
     the `top_k` largest features of each; requests running the same one are encoded together
-    (one pass over the encoder's weights for all their rows)."""
+    (one pass over the encoder's weights for all their rows). `top_k=None`: every active
+    feature, as many as the step's busiest row has, so pieces of a request differ in width
+    (padded to the widest when collected) and each request is served alone."""
 
     kind = "features"
+    #: What pads the indices and the values of rows with fewer active features.
+    FILLS: ClassVar[tuple[float, float]] = (-1, 0.0)
 
     sae_name: str = field(kw_only=True)
     sae: SAE = field(kw_only=True, repr=False, compare=False)
-    top_k: int = field(kw_only=True)
+    top_k: int | None = field(kw_only=True)
 
     def saved_names(self, location: str) -> tuple[str, ...]:
         """As the `Features` it binds."""
         return feature_names(self.sae_name)
 
+    def serve_group(self, server: GroupServer) -> bool:
+        """Together where every row keeps `top_k` features; one by one where each keeps its
+        active ones (the widths differ from request to request)."""
+        return self.top_k is not None and super().serve_group(server)
+
     def row_results(self, rows: torch.Tensor, services: Services) -> tuple[torch.Tensor, ...]:
         """`(indices, values)` of the `top_k` largest features of each row of `rows`
-        (`[1, tokens, d_in]`), each `[tokens, top_k]`; -1 (and 0) where fewer are active."""
+        (`[1, tokens, d_in]`), each `[tokens, top_k]`; -1 (and 0) where fewer are active.
+        `top_k=None`: as many as the busiest row has active."""
         if rows.dim() != 3:
             raise ValueError(f"an SAE reads a value of one row per token [batch tokens width], "
                              f"not one of shape {list(rows.shape)}")
-        values, indices = self.sae.encode(rows[0]).topk(self.top_k, dim=-1)
+        encoded = self.sae.encode(rows[0])
+        top_k = self.top_k
+        if top_k is None:  # the one wait for the device: how many to keep
+            top_k = int((encoded != 0).sum(-1).max()) if encoded.shape[0] else 0
+        values, indices = encoded.topk(top_k, dim=-1)
         return indices.masked_fill(values == 0, -1), values
 
     def serve(self, visit: Visit) -> None:
@@ -153,9 +163,11 @@ class FeatureReads(RowResults):
             return
         found = [(first, tuple(result.unsqueeze(0) for result in self.row_results(
             rows, visit.services))) for first, rows in self.selected_reads(visit)]
+        width = self.top_k or 0
         self.keep_results(visit, self.saved_names(visit.location), found, lambda device: (
-            torch.empty(1, 0, self.top_k, dtype=torch.long, device=device),
-            torch.empty(1, 0, self.top_k, dtype=self.sae.dtype, device=device)))
+            torch.empty(1, 0, width, dtype=torch.long, device=device),
+            torch.empty(1, 0, width, dtype=self.sae.dtype, device=device)),
+            None if self.top_k is not None else self.FILLS)
 
 
 def _check_features(op: SAEOp, features: Any) -> dict[int, float]:

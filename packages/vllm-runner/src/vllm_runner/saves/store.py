@@ -92,7 +92,9 @@ class SaveStore:
         self._axes: dict[tuple[str, str], int | None] = {}
         # Values whose rows differ in width along their last axis (attention patterns: one key
         # column per position so far), and what pads them to one width.
-        self._fills: dict[tuple[str, str], float] = {}
+        # per (program id, location): what pads rows of different widths, and whether a row's
+        # width is its position + 1 (`save`)
+        self._fills: dict[tuple[str, str], tuple[float, bool]] = {}
         self._errors: dict[str, str] = {}
         # Edits' finiteness answered on the device, not read yet (`unread_checks`), and whose.
         self._unread: list[UnreadChecks] = []
@@ -177,14 +179,17 @@ class SaveStore:
         return self._errors.pop(program_id, None)
 
     def save(self, program_id: str, location: str, first_position: int, value: torch.Tensor,
-             token_axis: int | None, fill: float | None = None) -> None:
+             token_axis: int | None, fill: float | None = None,
+             width_is_position: bool = True) -> None:
         """Keep `value` for `program_id`: rows from `first_position` on along `token_axis`, or the
         whole value (no token axis). It must not change afterwards (a private copy, or a slice
-        of one). `fill` marks rows whose last axis grows with their position (an attention
-        pattern's keys): rows are padded with it to one width when joined."""
+        of one). `fill` marks rows whose last axis differs from step to step: rows are padded
+        with it to the widest when joined. Where `width_is_position` (an attention pattern's
+        keys: a row's width is its position + 1) the rows kept are then cut to the last one's
+        width; otherwise (an SAE's active features, as many as its busiest token has) not."""
         self._axes[(program_id, location)] = token_axis
         if fill is not None:
-            self._fills[(program_id, location)] = fill
+            self._fills[(program_id, location)] = (fill, width_is_position)
         chunks = self._chunks[program_id][location]
         if token_axis is not None and chunks and value.shape[token_axis] == 0:
             return  # no rows (an op with `positions` kept none this step): nothing to add
@@ -580,13 +585,16 @@ def _joined(chunks: list[Chunk], axis: int) -> list[Chunk]:
 
 
 def _in_position_order(chunks: list[Chunk], axis: int, computed: int, keep: Keep,
-                       fill: float | None = None) -> torch.Tensor:
+                       fill: tuple[float, bool] | None = None) -> torch.Tensor:
     """The chunks' rows by absolute position, a later chunk's row winning (preemption
     recomputes from position 0; a repeated step rewrites its rows); no rows (an empty token
-    axis) when none is kept, e.g. positions the request never reached. With `fill`, rows are
-    padded with it along the last axis to the width of the last row kept (its position + 1)."""
+    axis) when none is kept, e.g. positions the request never reached. With `fill` (its value,
+    and whether a row's width is its position + 1: `SaveStore.save`), rows are padded with it
+    along the last axis to the widest, then cut to the width of the last row kept where that
+    is its position + 1."""
+    cut = fill is not None and fill[1]
     if fill is not None:
-        chunks = _padded(chunks, fill)
+        chunks = _padded(chunks, fill[0])
     rows = torch.cat([chunk for _, chunk in chunks], dim=axis) if len(chunks) > 1 \
         else chunks[0][1]
     # Usually each chunk starts where the previous one ended, and nothing is filtered: the rows
@@ -596,13 +604,13 @@ def _in_position_order(chunks: list[Chunk], axis: int, computed: int, keep: Keep
     if keep is None and firsts[1:] == ends[:-1]:
         end = max(min(ends[-1], computed), firsts[0])
         kept = rows.narrow(axis, 0, end - firsts[0])
-        return kept if fill is None else kept[..., :end]
+        return kept[..., :end] if cut else kept
     positions = [first + offset for first, chunk in chunks for offset in range(chunk.shape[axis])]
     latest = {position: index for index, position in enumerate(positions)}
     wanted = [p for p in sorted(latest) if p < computed and (keep is None or keep(p))]
     kept = rows.index_select(axis, rows.new_tensor([latest[p] for p in wanted],
                                                    dtype=torch.long))
-    return kept if fill is None else kept[..., :wanted[-1] + 1 if wanted else 0]
+    return kept[..., :wanted[-1] + 1 if wanted else 0] if cut else kept
 
 
 def _padded(chunks: list[Chunk], fill: float) -> list[Chunk]:
