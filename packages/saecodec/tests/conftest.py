@@ -21,6 +21,9 @@ def random_weights(architecture: str, seed: int = 0, d_in: int = D_IN, d_sae: in
                "b_dec": torch.randn(d_in, generator=generator) * 0.1}
     if architecture == "jumprelu":
         weights["threshold"] = torch.rand(d_sae, generator=generator) * 0.3
+    if architecture == "gated":  # the gate's bias is `b_enc` here (SAELens's `b_gate`)
+        weights["b_mag"] = torch.randn(d_sae, generator=generator) * 0.1
+        weights["r_mag"] = torch.randn(d_sae, generator=generator) * 0.3
     return weights
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import sae_lens
 import torch
-from saecodec import SAE
+from saecodec import ARCHITECTURES, SAE
 
 D_IN, D_SAE = 24, 96
 
@@ -20,6 +20,7 @@ def saelens_sae(architecture: str, apply_b_dec_to_input: bool, seed: int) -> obj
     sae = {"standard": lambda: sae_lens.StandardSAE(sae_lens.StandardSAEConfig(**common)),
            "jumprelu": lambda: sae_lens.JumpReLUSAE(sae_lens.JumpReLUSAEConfig(**common)),
            "topk": lambda: sae_lens.TopKSAE(sae_lens.TopKSAEConfig(**common, k=7)),
+           "gated": lambda: sae_lens.GatedSAE(sae_lens.GatedSAEConfig(**common)),
            }[architecture]()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -31,7 +32,7 @@ def saelens_sae(architecture: str, apply_b_dec_to_input: bool, seed: int) -> obj
     return sae
 
 
-@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("apply_b_dec_to_input", [True, False])
 def test_an_sae_saelens_saved_encodes_and_decodes_as_saelens_does(
         tmp_path: Path, architecture: str, apply_b_dec_to_input: bool) -> None:
@@ -51,7 +52,7 @@ def test_an_sae_saelens_saved_encodes_and_decodes_as_saelens_does(
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_an_sae_saved_here_loads_in_saelens_and_encodes_alike(tmp_path: Path,
                                                             architecture: str) -> None:
     theirs = saelens_sae(architecture, apply_b_dec_to_input=True, seed=11)

@@ -49,7 +49,8 @@ def _rewrite(folder: Path, **changes: object) -> None:
     (lambda f: save_file({k: v for k, v in random_weights("jumprelu").items()
                           if k != "threshold"}, str(f / "sae_weights.safetensors")),
      "sae_weights.safetensors", "threshold", "has no tensor 'threshold'"),
-    (lambda f: _rewrite(f, architecture="gated"), "cfg.json", "architecture", "'gated'"),
+    (lambda f: _rewrite(f, architecture="matching_pursuit"), "cfg.json", "architecture",
+     "'matching_pursuit'"),
     (lambda f: _rewrite(f, normalize_activations="layer_norm"), "cfg.json",
      "normalize_activations", "'layer_norm' is not supported"),
     (lambda f: _rewrite(f, d_in=D_IN + 1), "cfg.json", "d_in", "W_enc"),

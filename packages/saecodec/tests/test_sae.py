@@ -8,7 +8,7 @@ import torch
 from conftest import D_IN, D_SAE, random_weights
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from saecodec import SAE
+from saecodec import ARCHITECTURES, SAE
 
 
 def make(architecture: str, seed: int = 0, **fields: object) -> SAE:
@@ -16,6 +16,7 @@ def make(architecture: str, seed: int = 0, **fields: object) -> SAE:
     k = 5 if architecture == "topk" else None
     return SAE(architecture, weights["W_enc"], weights["b_enc"], weights["W_dec"],
                weights["b_dec"], threshold=weights.get("threshold"), k=k,
+               b_mag=weights.get("b_mag"), r_mag=weights.get("r_mag"),
                **fields)  # type: ignore[arg-type]
 
 
@@ -34,6 +35,12 @@ def by_hand(sae: SAE, x: torch.Tensor) -> torch.Tensor:
             assert sae.threshold is not None
             acts = [v if v > float(sae.threshold[f]) and v > 0 else 0.0
                     for f, v in enumerate(pre)]
+        elif sae.architecture == "gated":  # the gate's pre-activation; then the magnitude's
+            assert sae.b_mag is not None and sae.r_mag is not None
+            magnitudes = [float(row @ (sae.W_enc[:, f] * sae.r_mag[f].exp()) + sae.b_mag[f])
+                          for f in range(sae.d_sae)]
+            acts = [max(magnitude, 0.0) if gate > 0 else 0.0
+                    for gate, magnitude in zip(pre, magnitudes, strict=True)]
         else:
             assert sae.k is not None
             keep = sorted(range(sae.d_sae), key=lambda f: pre[f], reverse=True)[:sae.k]
@@ -42,7 +49,7 @@ def by_hand(sae: SAE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("apply_b_dec_to_input", [False, True])
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), tokens=st.integers(1, 4))
@@ -57,7 +64,7 @@ def test_encode_is_the_architectures_definition(architecture: str, apply_b_dec_t
         assert int((features != 0).sum(-1).max()) <= 5
 
 
-@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("apply_b_dec_to_input", [False, True])
 def test_some_features_encode_as_in_the_whole_encoding(architecture: str,
                                                        apply_b_dec_to_input: bool) -> None:
@@ -68,7 +75,7 @@ def test_some_features_encode_as_in_the_whole_encoding(architecture: str,
                                sae.encode(x)[..., features], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_decode_and_the_error_term_put_the_activations_back_together(architecture: str) -> None:
     sae = make(architecture)
     x = torch.randn(3, D_IN, generator=torch.Generator().manual_seed(7))
@@ -88,7 +95,9 @@ def test_an_sae_computes_in_its_own_dtype_and_moves_whole() -> None:
     ({"b_enc": torch.zeros(D_SAE + 1)}, "b_enc has shape"),
     ({"W_dec": torch.zeros(D_IN, D_SAE)}, "W_dec has shape"),
     ({"threshold": None}, "threshold goes with the jumprelu"),
-    ({"architecture": "gated"}, "not one of"),
+    ({"architecture": "batchtopk"}, "not one of"),
+    ({"architecture": "gated", "threshold": None}, "b_mag and r_mag go with the gated"),
+    ({"b_mag": torch.zeros(D_SAE), "r_mag": torch.zeros(D_SAE)}, "b_mag and r_mag go with"),
 ])
 def test_inconsistent_weights_are_refused_by_name(change: dict[str, object], message: str
                                                   ) -> None:

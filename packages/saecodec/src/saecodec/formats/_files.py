@@ -174,6 +174,7 @@ def build(path: Path, architecture: str, tensors: dict[str, torch.Tensor], *,
     try:
         return SAE(architecture, tensors["W_enc"], tensors["b_enc"], tensors["W_dec"],
                    tensors["b_dec"], threshold=tensors.get("threshold"), k=k,
-                   apply_b_dec_to_input=apply_b_dec_to_input, site=site or Site())
+                   apply_b_dec_to_input=apply_b_dec_to_input, site=site or Site(),
+                   b_mag=tensors.get("b_mag"), r_mag=tensors.get("r_mag"))
     except ValueError as error:
         raise SAEFormatError(path, str(error)) from None

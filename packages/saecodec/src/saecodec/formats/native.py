@@ -3,9 +3,9 @@
 A folder with `cfg.json` (its `architecture`, `d_in`, `d_sae`, `dtype`,
 `apply_b_dec_to_input`, `normalize_activations`, `k` for TopK, and the site as `hook_name` /
 `hf_hook_name`, top-level or under `metadata` as SAELens 6 writes them) and
-`sae_weights.safetensors` (`W_enc [d_in, d_sae]`, `b_enc`, `W_dec [d_sae, d_in]`, `b_dec`, and
-`threshold` for JumpReLU). Loaded in the config's `dtype`. Every failure names the file and the
-key.
+`sae_weights.safetensors` (`W_enc [d_in, d_sae]`, `b_enc`, `W_dec [d_sae, d_in]`, `b_dec`,
+`threshold` for JumpReLU; a gated SAE has `b_gate`, `b_mag` and `r_mag` instead of `b_enc`).
+Loaded in the config's `dtype`. Every failure names the file and the key.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from saecodec.sae import ARCHITECTURES, SAE, Site
 
 CONFIG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
+#: The weights besides `W_enc`, `W_dec` and `b_dec` of each architecture that has others than
+#: `b_enc`.
+ARCHITECTURE_WEIGHTS = {"jumprelu": ["b_enc", "threshold"], "gated": ["b_gate", "b_mag", "r_mag"]}
 #: Activation normalisations that leave the input as it is (others are refused by name).
 PLAIN_NORMALISATIONS = (None, "none")
 
@@ -49,9 +52,10 @@ def load(path: str | Path, site: Site | None = None) -> SAE:
         if config.get(key) not in plain:
             raise SAEFormatError(folder / CONFIG, f"{key}={config.get(key)!r} is not "
                                  "supported yet", key)
-    names = ["W_enc", "b_enc", "W_dec", "b_dec"] + (
-        ["threshold"] if architecture == "jumprelu" else [])
+    names = ["W_enc", "W_dec", "b_dec", *ARCHITECTURE_WEIGHTS.get(architecture, ["b_enc"])]
     tensors = read_safetensors(folder / WEIGHTS, names)
+    if architecture == "gated":
+        tensors["b_enc"] = tensors.pop("b_gate")
     dtype = _dtype(config.get("dtype"), folder / CONFIG)
     if dtype is not None:
         tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
@@ -85,9 +89,11 @@ def save(sae: SAE, path: str | Path) -> None:
     if sae.k is not None:
         config["k"] = sae.k
         config["rescale_acts_by_decoder_norm"] = False
-    tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
-    if sae.threshold is not None:
-        tensors["threshold"] = sae.threshold
+    tensors = {"W_enc": sae.W_enc, "b_gate" if sae.architecture == "gated" else "b_enc":
+               sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
+    for name in ("threshold", "b_mag", "r_mag"):
+        if (tensor := getattr(sae, name)) is not None:
+            tensors[name] = tensor
     save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()},
               str(folder / WEIGHTS))
     (folder / CONFIG).write_text(json.dumps(config, indent=2))
