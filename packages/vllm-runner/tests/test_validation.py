@@ -37,6 +37,21 @@ def test_positions_past_max_model_len_are_refused_before_anything_runs(llm, posi
         _run(llm, [ops.Save(LOCATION, positions=positions)])
 
 
+def test_a_million_bad_positions_or_tokens_are_named_in_a_short_message() -> None:
+    """A message shows the first few values and how many more: it must not echo a huge request
+    back (a million positions made a 7.9 MB answer over HTTP)."""
+    from vllm_runner.ops.limits import check_op_fits
+
+    for op, start in ((ops.Save(LOCATION, positions=tuple(range(128, 1_000_128))), "[128, "),
+                      (ops.Save(LOCATION, tokens=tuple(range(256, 1_000_256))), "[256, ")):
+        with pytest.raises(ValueError) as refused:
+            check_op_fits(op, vocab_size=256, max_model_len=128)
+        assert len(str(refused.value)) < 400, str(refused.value)[:400]
+        assert start in str(refused.value) and "… and 999,990 more]" in str(refused.value)
+    with pytest.raises(ValueError, match=r"positions=\[0, 1, .* and 999,991 more\] must be"):
+        ops.Save(LOCATION, positions=[*range(1_000_000), True])
+
+
 def test_negative_positions_before_the_prompt_fail_that_request_by_name(llm) -> None:
     bad, good = llm.generate([TokensPrompt(prompt_token_ids=PROMPTS[0])] * 2, PARAMS,
                              interventions=[[ops.Save(LOCATION, positions=(-50,))],

@@ -14,6 +14,7 @@ import torch
 from vllm_runner.ops.checks import (
     Steps,
     check_where,
+    listed,
 )
 from vllm_runner.ops.data import (
     TAG,
@@ -308,7 +309,8 @@ class RowOp(Op):
         never = [p for p in self.positions or () if p < -prompt_length]
         if not never:
             return None
-        return (f"{self.kind} at {self.location}: positions {never} are before the start of the "
+        return (f"{self.kind} at {self.location}: positions {listed(never)} are before the start "
+                "of the "
                 f"prompt, which has {prompt_length} tokens (-1..-{prompt_length} count from its "
                 "end)")
 

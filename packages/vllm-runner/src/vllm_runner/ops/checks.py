@@ -18,6 +18,20 @@ Steps = Literal["all", "prefill", "decode"]
 STEPS: tuple[str, ...] = get_args(Steps)
 
 
+#: How many values of a list an error message shows (a request may send a million positions).
+SHOWN_VALUES = 10
+
+
+def listed(values: Any, most: int = SHOWN_VALUES) -> str:
+    """`values` as an error message shows them: their `repr`, or the first `most` and how many
+    more where there are more (a message must not echo a huge request back)."""
+    if not isinstance(values, (tuple, list, range)) or len(values) <= most:
+        return repr(values)
+    shown = ", ".join(repr(value) for value in values[:most])
+    opening, closing = ("(", ")") if isinstance(values, tuple) else ("[", "]")
+    return f"{opening}{shown}, … and {len(values) - most:,} more{closing}"
+
+
 def op_name(op: Any) -> str:
     """`Save('layers.0.layer_output')`: how errors name an op."""
     return f"{type(op).__name__}({op.location!r})"
@@ -48,15 +62,15 @@ def check_where(op: Any) -> None:
     positions = op.positions
     if positions is not None and (not isinstance(positions, (tuple, list, range)) or not all(
             isinstance(p, Integral) and not isinstance(p, bool) for p in positions)):
-        raise ValueError(f"{op_name(op)}: positions={positions!r} must be a tuple of whole "
+        raise ValueError(f"{op_name(op)}: positions={listed(positions)} must be a tuple of whole "
                          "numbers (absolute, or negative from the end of the prompt), e.g. "
                          "(-1,)")
     tokens = op.tokens
     if tokens is not None and (not isinstance(tokens, (tuple, list, range)) or not tokens or
                                not all(isinstance(t, Integral) and not isinstance(t, bool)
                                        and int(t) >= 0 for t in tokens)):
-        raise ValueError(f"{op_name(op)}: tokens={tokens!r} must be a non-empty tuple of token "
-                         "ids (whole numbers >= 0), e.g. tokenizer.encode(' love')")
+        raise ValueError(f"{op_name(op)}: tokens={listed(tokens)} must be a non-empty tuple of "
+                         "token ids (whole numbers >= 0), e.g. tokenizer.encode(' love')")
 
 
 def check_tensor(op: Any, field_name: str) -> None:
@@ -105,7 +119,7 @@ def check_whole_numbers(op: Any, field_name: str, what: str) -> None:
     if numbers is not None and (not isinstance(numbers, (tuple, list)) or not all(
             isinstance(n, Integral) and not isinstance(n, bool) and int(n) >= 0
             for n in numbers)):
-        raise ValueError(f"{op_name(op)}: {field_name}={numbers!r} must be a tuple of {what} "
+        raise ValueError(f"{op_name(op)}: {field_name}={listed(numbers)} must be a tuple of {what} "
                          "(0 or more)")
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from vllm_runner.ops.base import GroupServer, Op, RowOp, SAELookup
+from vllm_runner.ops.checks import listed
 from vllm_runner.ops.edits import Add, EditOp
 from vllm_runner.ops.reads import RowResults
 
@@ -207,8 +208,9 @@ class _FeatureValues(SAEOp):
         refused by name past its `d_sae`."""
         beyond = [index for index in self.features if index >= sae.d_sae]
         if beyond:
-            raise ValueError(f"{type(self).__name__}(sae={self.sae!r}): features {beyond} are "
-                             f"not among the SAE's {sae.d_sae} (indices 0..{sae.d_sae - 1})")
+            raise ValueError(f"{type(self).__name__}(sae={self.sae!r}): features "
+                             f"{listed(beyond)} are not among the SAE's {sae.d_sae} (indices "
+                             f"0..{sae.d_sae - 1})")
         device = sae.W_dec.device
         return (torch.tensor(list(self.features), dtype=torch.long, device=device),
                 torch.tensor(list(self.features.values()), dtype=sae.dtype, device=device))

@@ -24,10 +24,23 @@ from vllm_runner.server.vector_registry import MAX_VECTOR_BYTES, VectorRegistry
 router = APIRouter()
 
 
+#: The most characters of an error message (and of its `param`) an answer carries: a message
+#: that quotes the request (a location of ten million characters) must not send it back whole.
+MESSAGE_LIMIT = 2000
+
+
+def shortened(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """`text`, cut to `limit` characters with how many more it had."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit:,} more characters)"
+
+
 def error_response(status: HTTPStatus, message: str, param: str | None = None) -> JSONResponse:
     """An error answer in vLLM's (and OpenAI's) form, `param` naming the bad field."""
-    error = ErrorResponse(error=ErrorInfo(message=message, type=status.phrase.replace(" ", ""),
-                                          param=param, code=status.value))
+    error = ErrorResponse(error=ErrorInfo(
+        message=shortened(message), type=status.phrase.replace(" ", ""),
+        param=None if param is None else shortened(param), code=status.value))
     return JSONResponse(content=error.model_dump(), status_code=status.value)
 
 
