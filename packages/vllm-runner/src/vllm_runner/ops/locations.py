@@ -39,11 +39,20 @@ def _layer_indices(selector: str, layers: int, pattern: str) -> list[int]:
     return [index % layers]
 
 
+#: The longest location pattern compared with the model's names for a hint (a request's
+#: pattern of ten million characters took 2.7 s of the server's event loop to refuse).
+LONGEST_PATTERN = 200
+
+
 def resolve(pattern: str, canonical: Iterable[str], layers: int) -> list[str]:
     """The canonical locations `pattern` names; `LocationError` with close names if none."""
     known = list(canonical)
     if pattern in known:
         return [pattern]
+    if len(pattern) > LONGEST_PATTERN:  # no name is this long: not worth comparing to each
+        raise LocationError(f"{pattern[:60]!r}… ({len(pattern):,} characters) is not a "
+                            "location of this model: locations are short names, e.g. "
+                            "layers.0.layer_output")
     parts = pattern.split(".")
     found: list[str] = []
     if len(parts) >= 3 and parts[0] == "layers":

@@ -78,10 +78,11 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
     """Serve one request as vLLM's own route does, with its program when it has one."""
     state: ServerState = raw_request.app.state.interp
     plan = None
-    # A request's own interventions replace the server's default program (`[]`: none at all).
+    # A request's own interventions replace the server's default program (`[]`: none at all;
+    # any other value that is not a list of ops is refused by `state.plan`, naming the field).
     interventions = (request.interventions if request.interventions is not None
                      else state.settings.default)
-    if interventions:
+    if interventions is not None and interventions != []:
         # The request's own fields first: they cost nothing to check, the program an RPC.
         if request.interp_saves not in ("auto", "inline", "id"):
             return error_response(HTTPStatus.BAD_REQUEST,

@@ -5,8 +5,8 @@ are refused with a message, never an out-of-memory."""
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +22,11 @@ class KeptSavesFull(RuntimeError):
 class _Kept:
     data: bytes
     expires: float
+
+
+#: Random bytes in a kept saves' id (192 bits, 32 URL-safe characters): the id is all a reader
+#: needs, so no client can find another's saves by trying ids.
+SAVES_ID_BYTES = 24
 
 
 class KeptSaves:
@@ -51,7 +56,7 @@ class KeptSaves:
                              "fetched yet): fetch or delete those, save fewer values or "
                              "positions, or ask the operator for a larger "
                              "--interp-saves-budget-mib")
-        saves_id = uuid.uuid4().hex
+        saves_id = secrets.token_urlsafe(SAVES_ID_BYTES)
         self._kept[saves_id] = _Kept(data, self._clock() + self.ttl_s)
         return saves_id, len(data)
 
