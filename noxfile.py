@@ -254,6 +254,28 @@ def demo(session: nox.Session) -> None:
     session.run("vllm-interp", "demo", *session.posargs)
 
 
+#: The soak's CI run (issue [R]): 1,000 requests, the bounds checked, under 5 minutes here.
+SOAK_CI = ["--requests", "1000", "--max-tokens", "3", "--interval", "10", "--ttl", "20",
+           "--warm-up", "0.5", "--check"]
+
+
+@nox.session(python="3.11")
+def soak(session: nox.Session) -> None:
+    """`benchmarks/soak.py` against `vllm-interp serve` with the embedded model: by default its CI
+    run (`SOAK_CI`, the report under the session's folder), which fails where a bound is
+    passed; arguments after `--` replace it (e.g. `-- --out docs/benchmarks/soak.md` for the
+    full run the docs quote)."""
+    with _discarded_afterwards(session):
+        packages = _package_dirs()
+        runner = packages["vllm-runner"]
+        local = [str(path) for name, path in packages.items() if name != "vllm-runner"]
+        _install(session, *local, f"{runner}[cpu,demo]", "openai>=1.50", "psutil>=5.9",
+                 package_dirs=[runner])
+        out = Path(session.create_tmp()) / "soak.md"
+        session.run("python", str(ROOT / "benchmarks" / "soak.py"),
+                    *(session.posargs or [*SOAK_CI, "--out", str(out)]))
+
+
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """Static checks (ruff) over every package, the cross-package tests and the benchmarks, and
