@@ -3,6 +3,7 @@ serves and holds (the completions routes are in `server`)."""
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from typing import Any
 
@@ -22,6 +23,7 @@ from vllm_runner.server.state import ServerState
 from vllm_runner.server.vector_registry import MAX_VECTOR_BYTES, VectorRegistry
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
 
 
 #: The most characters of an error message (and of its `param`) an answer carries: a message
@@ -63,6 +65,16 @@ async def held(raw_request: Request) -> Any:
     return JSONResponse(content={**answer, "kept_bytes": state.kept.held_bytes})
 
 
+def _unwritable(error: OSError, outcome: str) -> JSONResponse:
+    """A 507 for a vectors folder the server cannot write (full, read-only, gone): the client
+    learns why and that nothing changed; the operator's log has the folder and the error."""
+    logger.warning("vllm-interp: the vectors folder could not be written: %s", error)
+    return error_response(HTTPStatus.INSUFFICIENT_STORAGE,
+                          f"the server could not write its vectors folder "
+                          f"({error.strerror or type(error).__name__}): {outcome}; ask its "
+                          "operator (--interp-vectors)", "name")
+
+
 def _registry(raw_request: Request, name: str) -> tuple[VectorRegistry, JSONResponse | None]:
     state: ServerState = raw_request.app.state.interp
     problem = state.vectors.check_name(name)
@@ -90,7 +102,10 @@ async def put_vector(name: str, raw_request: Request) -> Any:
                               f"{MAX_VECTOR_BYTES} bytes", "body")
     if tensor.is_floating_point() and non_finite(tensor, on_logits=False):
         return error_response(HTTPStatus.BAD_REQUEST, "the vector holds NaN or infinity", "body")
-    vectors.put(name, tensor)
+    try:
+        vectors.put(name, tensor)
+    except OSError as error:
+        return _unwritable(error, f"{name!r} was not registered")
     return JSONResponse(content={"name": name, "dtype": DTYPE_NAMES[tensor.dtype],
                                  "shape": list(tensor.shape)})
 
@@ -112,7 +127,11 @@ async def delete_vector(name: str, raw_request: Request) -> Any:
     vectors, refused = _registry(raw_request, name)
     if refused is not None:
         return refused
-    if not vectors.delete(name):
+    try:
+        deleted = vectors.delete(name)
+    except OSError as error:
+        return _unwritable(error, f"{name!r} is still registered")
+    if not deleted:
         return error_response(HTTPStatus.NOT_FOUND, f"no vector is registered as {name!r}", "name")
     return JSONResponse(content={"deleted": name})
 
