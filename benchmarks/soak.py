@@ -5,7 +5,7 @@ Run: `python benchmarks/soak.py` (the embedded SmolLM2-135M-Instruct; 10,000 req
 flight, 2-6 tokens generated each; writes docs/benchmarks/soak.md and soak.png), `--check` to
 exit non-zero where a bound is passed. CI runs `nox -s soak`: 1,000 requests of 2-3 generated
 tokens, sampled every 10 s, the kept saves' TTL 20 s, the first half of the samples counted as
-warm-up, `--check` (the noxfile's `SOAK_CI`).
+warm-up, a memory bound of 512 MiB, `--check` (the noxfile's `SOAK_CI`).
 
 The load, drawn with a fixed seed, through the `openai` client: a third of the requests plain
 (greedy completions, some chats, some `n=2` sampled), the rest with a program: a layer saved

@@ -15,6 +15,7 @@ from typing import Any
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 
 from vllm_runner.engine.attach import attach
+from vllm_runner.engine.heap import HEAP
 from vllm_runner.errors import LocationError
 from vllm_runner.runtime.door import WorkerDoor
 from vllm_runner.saves import shm_files, wire
@@ -50,20 +51,22 @@ class WorkerRPC:
         shared memory where the client sees the same as this worker (`shared_memory`, its
         `shm_files.identity`) and this is the engine's only worker; as the tensors themselves
         (`encoded=False`) for an in-process client, which saves the copies."""
-        if not encoded:
-            return dict(_door(self).collect(finished))
-        shared = (shared_memory is not None and shared_memory == shm_files.identity()
-                  and getattr(self.vllm_config.parallel_config, "world_size", 1) == 1)
-        files = wire.SharedFiles() if shared else None
         try:
-            collected = _door(self).collect(finished,
-                                                         files.places if files else None)
-            return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
-                               files=files)
-        except BaseException:  # no client will open the files
-            if files is not None:
-                files.discard()
-            raise
+            if not encoded:
+                return dict(_door(self).collect(finished))
+            shared = (shared_memory is not None and shared_memory == shm_files.identity()
+                      and getattr(self.vllm_config.parallel_config, "world_size", 1) == 1)
+            files = wire.SharedFiles() if shared else None
+            try:
+                collected = _door(self).collect(finished, files.places if files else None)
+                return wire.encode(collected, views=results_reach_msgpack(self.vllm_config),
+                                   files=files)
+            except BaseException:  # no client will open the files
+                if files is not None:
+                    files.discard()
+                raise
+        finally:
+            HEAP.after_collection()  # what the collected saves held, back to the system
 
     def interp_support(self) -> dict[str, str | None]:
         """Every value of the model → `None` if available, else the reason. Runs nothing."""
