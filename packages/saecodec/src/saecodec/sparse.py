@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from saecodec.errors import SAEFormatError
 
@@ -81,6 +79,8 @@ class SparseFeatures:
 
     def save(self, path: str | Path) -> None:
         """One safetensors file (`load` reads it back)."""
+        from safetensors.torch import save_file  # files only: the package computes with torch
+
         save_file({"offsets": self.offsets.contiguous(), "indices": self.indices.contiguous(),
                    "values": self.values.contiguous()}, str(path),
                   metadata={_META: json.dumps({"shape": list(self.shape)})})
@@ -88,6 +88,8 @@ class SparseFeatures:
     @classmethod
     def load(cls, path: str | Path) -> SparseFeatures:
         """What `save` wrote to `path`; a file it did not write is refused by name."""
+        from safetensors import safe_open
+
         try:
             with safe_open(str(path), framework="pt") as handle:  # read once: names and all
                 metadata = handle.metadata() or {}
