@@ -104,7 +104,8 @@ class Beside(threading.Thread):
     def __init__(self, server: str, expected: list[int]) -> None:
         super().__init__(daemon=True)
         self.server, self.expected = server, expected
-        self.stop, self.sent, self.failures = threading.Event(), 0, []  # type: ignore[var-annotated]
+        self.stop, self.sent = threading.Event(), 0
+        self.failures: list[Any] = []
 
     def run(self) -> None:
         while not self.stop.is_set():

@@ -310,9 +310,8 @@ class RowOp(Op):
         if not never:
             return None
         return (f"{self.kind} at {self.location}: positions {listed(never)} are before the start "
-                "of the "
-                f"prompt, which has {prompt_length} tokens (-1..-{prompt_length} count from its "
-                "end)")
+                f"of the prompt, which has {prompt_length} tokens (-1..-{prompt_length} count "
+                "from its end)")
 
 
 def _runs(offsets: Iterable[int]) -> list[tuple[int, int]]:
