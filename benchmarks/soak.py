@@ -33,7 +33,9 @@ import json
 import os
 import platform
 import random
+import shutil
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -312,7 +314,7 @@ def main() -> None:
         settings += ["--dtype", "float32"]
     config = json.loads((Path(model) / "config.json").read_text())
     load = draw_load(arguments.requests, config, arguments.max_tokens, seed=0)
-    vectors = Path(arguments.out).parent / "soak-vectors"
+    vectors = Path(tempfile.mkdtemp(prefix="soak-vectors-"))  # removed at the end
     ours = Server(True, model, [*settings, "--interp-vectors", str(vectors),
                                 "--interp-saves-ttl-s", str(arguments.ttl),
                                 "--interp-saves-budget-mib", "512"])
@@ -344,6 +346,7 @@ def main() -> None:
             bare.stop()
     finally:
         ours.stop()
+        shutil.rmtree(vectors, ignore_errors=True)
     differing = [index for index, tokens in soak.plain_tokens.items()
                  if tokens != expected[index]]
     checks = judge(arguments, soak, held, after, shm_before, shm_after, differing, len(plain))
