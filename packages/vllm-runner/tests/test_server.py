@@ -370,6 +370,19 @@ def test_saves_that_could_pass_the_per_request_limit_are_a_400_before_queueing(s
     response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
                                               extra_body={"interventions": heavy})
     assert response.choices[0].model_extra["interp"]["error"] is None
+    # What is computed from the rows counts too: every active feature of a JumpReLU SAE could
+    # be all 512 of them (12 bytes each) at 106 rows, 0.62 MiB; a lens's 200 tokens at three
+    # layers, 0.73 MiB. Six features a row fit.
+    for wide in ({"op": "features", "sae": "res1"},
+                 {"op": "lens", "location": "layers.*.layer_output", "top_k": 200}):
+        with pytest.raises(BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100,
+                                      extra_body={"interventions": [wide]})
+        assert "--interp-max-saved-mib" in refused.value.body["message"], wide
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100,
+                                         extra_body={"interventions": [
+                                             {"op": "features", "sae": "res1", "top_k": 6}]})
+    assert response.choices[0].model_extra["interp"]["error"] is None
     assert _held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
 
 
@@ -616,6 +629,60 @@ def test_saves_over_the_servers_budget_are_a_507_before_queueing_or_an_error_not
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body={
             "interp_saves": "later", "interventions": [{"op": "save", "location": "logits"}]})
     assert refused.value.body["param"] == "interp_saves"
+
+
+def test_a_full_budget_with_slow_readers_refuses_only_the_saves_that_do_not_fit(
+        server, client, llm) -> None:
+    """Twelve requests at once keep their saves under ids while nobody reads (0.1 MiB: room for
+    a few); those that do not fit say so, and nothing else changes: every completion's tokens,
+    every kept save (read slowly, one by one, while another twelve run), the plain requests
+    beside them, and nothing held at the end."""
+    assert _held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
+    save = [{"op": "save", "location": "layers.*.layer_output"}]
+    prompts = [[5 + index, *PROMPT[1:]] for index in range(12)]
+
+    def kept(prompt: list[int]) -> tuple[list[int], Any]:
+        choice = _complete(client, save, prompt, {"interp_saves": "id"}).choices[0]
+        return prompt, choice
+
+    def plain(prompt: list[int]) -> list[int]:
+        return list(_complete(client, None, prompt).choices[0].model_extra["token_ids"])
+
+    def checked(prompt: list[int], choice: Any) -> str | None:
+        """The choice's tokens equal offline; its kept saves' id, or None if refused."""
+        offline = _offline(llm, [ops.Save("layers.*.layer_output")], prompt)
+        assert list(choice.model_extra["token_ids"]) == list(offline.outputs[0].token_ids)
+        interp = choice.model_extra["interp"]
+        if interp["saves_id"] is None:
+            assert "budget" in interp["error"] and interp["saves"] is None, interp
+            return None
+        assert interp["error"] is None
+        return str(interp["saves_id"])
+
+    def read_slowly(ids: dict[str, list[int]]) -> None:
+        for saves_id, prompt in ids.items():
+            time.sleep(0.3)
+            with urllib.request.urlopen(f"{server}/v1/interp/saves/{saves_id}",
+                                        timeout=60) as answer:
+                fetched = safetensors.torch.load(answer.read())
+            offline = _offline(llm, [ops.Save("layers.*.layer_output")], prompt).saved
+            assert fetched.keys() == offline.keys()
+            assert all(same_values(fetched[name], offline[name]) for name in offline)
+
+    with ThreadPoolExecutor(16) as pool:
+        plains = [pool.submit(plain, prompt) for prompt in prompts[:4]]
+        first = {saves_id: prompt for prompt, choice in pool.map(kept, prompts)
+                 if (saves_id := checked(prompt, choice)) is not None}
+        assert 1 <= len(first) < len(prompts), first  # some kept, some refused
+        reading = pool.submit(read_slowly, first)
+        second = [pool.submit(kept, prompt) for prompt in prompts]
+        reading.result()
+        later = {saves_id: prompt for prompt, choice in (done.result() for done in second)
+                 if (saves_id := checked(prompt, choice)) is not None}
+        read_slowly(later)
+        for prompt, answer in zip(prompts, plains, strict=False):
+            assert answer.result() == list(_offline(llm, [], prompt).outputs[0].token_ids)
+    assert _held(server) == {"requests": 0, "bytes": 0, "kept_bytes": 0}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() == 1, reason="tensor parallelism needs two GPUs")

@@ -110,6 +110,13 @@ def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> 
         [ops.Save("logits"), ops.Save("layers.2.attention_keys", steps="prefill")],
         [ops.Save("layers.0.attention_probabilities"), ops.Save("logits", steps="decode"),
          ops.Add("layers.1.layer_output", torch.zeros(128))],
+        # What the ops that compute from the rows keep: a lens's top-k, a probe's scores, an
+        # SAE's features (a TopK SAE's `k` when asked for every active one).
+        [ops.Lens("layers.*.layer_output", top_k=7, positions=(-1, 1)),
+         ops.Probe("layers.1.layer_output", torch.ones(3, 128), steps="decode"),
+         ops.Probe("layers.0.layer_output", torch.ones(128))],
+        [ops.Features(sae="res1", top_k=6), ops.Features(sae="mlp0"),
+         ops.Features(sae="pre2", top_k=5, steps="prefill")],
     ]
     patterns = sorted({pattern for program in programs for op in program
                        for pattern in op.patterns()})
@@ -123,4 +130,26 @@ def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> 
         taken = sum(tensor.numel() * tensor.element_size() for tensor in output.saved.values())
         located = [[location for pattern in op.patterns()
                     for location in resolved["resolved"][pattern]] for op in program]
-        assert saved_bytes_bound(program, located, shapes, len(prompt), generated) == taken
+        assert saved_bytes_bound(program, located, shapes, len(prompt), generated,
+                                 llm.saes) == taken
+
+
+def test_every_active_feature_of_an_unbounded_sae_is_bounded_by_all_its_features(llm) -> None:
+    """A JumpReLU SAE's active features per token are known only as it runs: the bound counts
+    every feature at every row (int64 indices, float32 values), and what it keeps is less."""
+    (layouts, *_) = llm.collective_rpc("interp_layouts")
+    (probe,) = llm.generate([TokensPrompt(prompt_token_ids=[0])],
+                            SamplingParams(max_tokens=1, temperature=0.0),
+                            interventions=[ops.Save(location) for location in layouts],
+                            use_tqdm=False)
+    shapes = shapes_from_saves(layouts, probe.saved)
+    program = [ops.Features(sae="res1")]
+    (resolved, *_) = llm.collective_rpc("interp_resolve", args=(["sae:res1"],))
+    located = [resolved["resolved"]["sae:res1"]]
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=[5, 17, 99])],
+                             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                             interventions=program, use_tqdm=False)
+    taken = sum(tensor.numel() * tensor.element_size() for tensor in output.saved.values())
+    bound = saved_bytes_bound(program, located, shapes, 3, 3, llm.saes)
+    assert bound == (3 + 2) * llm.saes["res1"]["d_sae"] * (8 + 4) > taken > 0
+    assert saved_bytes_bound(program, located, shapes, 3, 3, {}) == 0  # no such SAE: refused

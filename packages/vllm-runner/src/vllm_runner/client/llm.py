@@ -278,7 +278,8 @@ class LLM:
     @property
     def saes(self) -> dict[str, dict[str, Any]]:
         """The engine's SAEs by name (`LLM(saes=...)`): the location each reads, its
-        architecture, `d_in`, `d_sae`, dtype and the site named in its files."""
+        architecture, `d_in`, `d_sae`, `k` (a TopK SAE's features per token, else `None`), dtype
+        and the site named in its files."""
         return {name: dict(found) for name, found in self._saes.items()}
 
     def __getattr__(self, name: str) -> Any:

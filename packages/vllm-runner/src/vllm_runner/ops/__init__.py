@@ -5,7 +5,7 @@ in `SamplingParams.extra_args`; a worker turns the data back into the same class
 (`op_from_data`) and the op does its own work there: where it acts (`patterns`), how many
 requests running it are served together (`serve_group`), how it saves or edits (`serve`,
 `edited`), what it leaves in the saves (`saved_names`), what its tensor must fit
-(`tensor_misfit`) and how many rows it saves (`saved_rows`). A new op is one class — in
+(`tensor_misfit`) and how many bytes it keeps (`saved_bytes`). A new op is one class — in
 `reads` (ops that save what they read), `edits` (ops that change values), `call` (the user's
 own code) or `features` (in an SAE's feature space), on the bases of `base` — plus its tests and
 its line in the JSON schema.

@@ -5,7 +5,7 @@ running one op together (`GroupServer`)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 PositionFilter = Callable[[int], bool]
 #: The engine's SAEs as a worker holds them: name -> (the SAE, the location it reads).
 SAELookup = Callable[[str], "tuple[SAE, str]"]
+#: The engine's SAEs as a client learns them: name -> `LLM.saes`'s description of it.
+SAESizes = Mapping[str, Mapping[str, Any]]
 
 
 class GroupServer(Protocol):
@@ -66,9 +68,12 @@ class Op:
     #: Whether requests running this very op can be served with one read (and one write) per
     #: run of their rows instead of one per request (`row_serving.serve_together`).
     together: ClassVar[bool] = False
-    #: Whether the op saves the value itself (its rows as read: `Save`), whose bytes the server
-    #: bounds before the request runs (`saved_rows`).
+    #: Whether the op saves the value itself (its rows as read: `Save`).
     saves_the_value: ClassVar[bool] = False
+    #: Whether the op keeps something for each row it reads (the value, a lens's top-k, a
+    #: probe's scores, an SAE's features), whose bytes the server bounds before the request
+    #: runs (`saved_bytes`).
+    keeps_rows: ClassVar[bool] = False
     #: The field of the tensor the op brings (an edit's vector, a probe's weight), checked
     #: against the value's shape before the request runs (`tensor_misfit`), or `None`.
     TENSOR: ClassVar[str | None] = None
@@ -132,11 +137,11 @@ class Op:
             return None
         return broadcast_misfit(given, location, value)
 
-    def saved_rows(self, location: str, value: ValueShape, prompt_length: int,
-                   max_tokens: int) -> int:
-        """The most rows of `value` (at `location`) the op saves for a prompt of
-        `prompt_length` tokens generating up to `max_tokens` (`saves_the_value`); none by
-        default."""
+    def saved_bytes(self, location: str, value: ValueShape, prompt_length: int,
+                    max_tokens: int, saes: SAESizes) -> int:
+        """The most bytes the op keeps reading `value` (at `location`) for a prompt of
+        `prompt_length` tokens generating up to `max_tokens` (`keeps_rows`), given the engine's
+        SAEs (`saes`: name -> `LLM.saes`'s description); none by default."""
         return 0
 
     def saved_runs(self, first_position: int, count: int, prompt_length: int
@@ -312,6 +317,31 @@ class RowOp(Op):
         return (f"{self.kind} at {self.location}: positions {listed(never)} are before the start "
                 f"of the prompt, which has {prompt_length} tokens (-1..-{prompt_length} count "
                 "from its end)")
+
+    def kept_rows(self, location: str, value: ValueShape, prompt_length: int,
+                  max_tokens: int) -> int:
+        """The most rows of `value` (at `location`) the op reads and keeps for a prompt of
+        `prompt_length` tokens generating up to `max_tokens`: a row at every position the
+        request runs through (the prompt and each generated token but the last), `logits` one
+        at each sampled row, a pattern one per position against every key up to the last;
+        `positions` and `steps` narrow that (`tokens` may keep them all)."""
+        run_through = prompt_length + max(max_tokens - 1, 0)
+        if value.token_axis is None:  # a pattern: a row per position, a column per key
+            queries = {"all": run_through, "prefill": prompt_length,
+                       "decode": run_through - prompt_length}[self.steps]
+            if self.positions is not None:
+                queries = min(queries, len(set(self.positions)))
+            widest = prompt_length if self.steps == "prefill" else run_through
+            return queries * widest
+        if location == "logits":  # one row per sampled token, the first at prefill
+            rows = {"all": max_tokens, "prefill": min(max_tokens, 1),
+                    "decode": max(max_tokens - 1, 0)}[self.steps]
+        else:
+            rows = {"all": run_through, "prefill": prompt_length,
+                    "decode": run_through - prompt_length}[self.steps]
+        if self.positions is not None:
+            rows = min(rows, len(set(self.positions)))
+        return rows
 
 
 def _runs(offsets: Iterable[int]) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from vllm_runner.ops.base import GroupServer, Op, RowOp, SAELookup
+from vllm_runner.ops.base import GroupServer, Op, RowOp, SAELookup, SAESizes
 from vllm_runner.ops.checks import listed
 from vllm_runner.ops.edits import Add, EditOp
 from vllm_runner.ops.reads import RowResults
@@ -28,6 +28,7 @@ from vllm_runner.ops.reads import RowResults
 if TYPE_CHECKING:
     from saecodec import SAE
 
+    from vllm_runner.ops.value_shape import ValueShape
     from vllm_runner.runtime.row_serving import Services, Visit
 
 #: How an SAE op names where it acts: `sae:<name>`, resolved by the workers.
@@ -90,6 +91,7 @@ class Features(SAEOp):
 
     kind = "features"
     edits = False
+    keeps_rows = True
 
     top_k: int | None = None
 
@@ -108,6 +110,19 @@ class Features(SAEOp):
     def saved_names(self, location: str) -> tuple[str, ...]:
         """The feature indices and values, under the SAE's name."""
         return feature_names(self.sae)
+
+    def saved_bytes(self, location: str, value: ValueShape, prompt_length: int,
+                    max_tokens: int, saes: SAESizes) -> int:
+        """`top_k` indices (int64) and values (the SAE's dtype) for each row it reads; for
+        `top_k=None` a TopK SAE's `k`, any other SAE's every feature (how many are active is
+        known only as it runs). Nothing for an SAE the engine has not (refused anyway)."""
+        sae = saes.get(self.sae)
+        if sae is None:
+            return 0
+        features = self.top_k or sae.get("k") or int(sae["d_sae"])
+        value_bytes = torch.empty(0, dtype=getattr(torch, str(sae["dtype"]))).element_size()
+        return self.kept_rows(location, value, prompt_length, max_tokens) * features * (
+            8 + value_bytes)
 
     def bound(self, sae: SAE, location: str) -> Op:
         """The worker's reader of this SAE's features at `location`."""

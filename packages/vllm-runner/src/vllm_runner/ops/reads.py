@@ -3,13 +3,14 @@ lens's top-k (`Lens`) and a linear probe's scores (`Probe`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from numbers import Integral
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from vllm_runner.ops.base import GroupServer, RowOp
+from vllm_runner.ops.base import GroupServer, RowOp, SAESizes
 from vllm_runner.ops.checks import (
     check_result_name,
     check_tensor,
@@ -35,6 +36,7 @@ class Save(RowOp):
     edits = False
     together = True
     saves_the_value = True
+    keeps_rows = True
 
     def saved_names(self, location: str) -> tuple[str, ...]:
         """The value itself, under its canonical location."""
@@ -44,29 +46,11 @@ class Save(RowOp):
         """Served together as a save."""
         return server.save(self)
 
-    def saved_rows(self, location: str, value: ValueShape, prompt_length: int,
-                   max_tokens: int) -> int:
-        """Exactly what it keeps when the request generates all `max_tokens`: a row at every
-        position the request runs through (the prompt and each generated token but the last),
-        `logits` one at each sampled row, a pattern one per position against every key up to
-        the last; `positions` and `steps` narrow that."""
-        run_through = prompt_length + max(max_tokens - 1, 0)
-        if value.token_axis is None:  # a pattern: a row per position, a column per key
-            queries = {"all": run_through, "prefill": prompt_length,
-                       "decode": run_through - prompt_length}[self.steps]
-            if self.positions is not None:
-                queries = min(queries, len(set(self.positions)))
-            widest = prompt_length if self.steps == "prefill" else run_through
-            return queries * widest
-        if location == "logits":  # one row per sampled token, the first at prefill
-            rows = {"all": max_tokens, "prefill": min(max_tokens, 1),
-                    "decode": max(max_tokens - 1, 0)}[self.steps]
-        else:
-            rows = {"all": run_through, "prefill": prompt_length,
-                    "decode": run_through - prompt_length}[self.steps]
-        if self.positions is not None:
-            rows = min(rows, len(set(self.positions)))
-        return rows
+    def saved_bytes(self, location: str, value: ValueShape, prompt_length: int,
+                    max_tokens: int, saes: SAESizes) -> int:
+        """Exactly what it keeps when the request generates all `max_tokens`: its rows
+        (`RowOp.kept_rows`) of the value."""
+        return self.kept_rows(location, value, prompt_length, max_tokens) * value.bytes_per_row()
 
     def saved_runs(self, first_position: int, count: int, prompt_length: int
                    ) -> list[tuple[int, int]]:
@@ -99,6 +83,7 @@ class RowResults(RowOp):
 
     edits = False
     together = True
+    keeps_rows = True
     #: Whether every tensor-parallel rank must compute (the computation holds a collective, as
     #: the lens's gathered logits do); otherwise only the rank that keeps saves does.
     EVERY_RANK: ClassVar[bool] = False
@@ -144,6 +129,11 @@ class Lens(RowResults):
         """The top-k tokens and their probabilities."""
         return tuple(f"{location}.{suffix}" for suffix in self.RESULTS)
 
+    def saved_bytes(self, location: str, value: ValueShape, prompt_length: int,
+                    max_tokens: int, saes: SAESizes) -> int:
+        """`top_k` tokens (int64) and probabilities (float32) for each row it reads."""
+        return self.kept_rows(location, value, prompt_length, max_tokens) * self.top_k * (8 + 4)
+
     def row_results(self, rows: torch.Tensor, services: Services) -> tuple[torch.Tensor, ...]:
         """The top-k tokens and their probabilities, through the model's own final norm and
         logits."""
@@ -174,6 +164,7 @@ class Probe(RowOp):
 
     kind = "probe"
     edits = False
+    keeps_rows = True
     TENSOR = "weight"
 
     weight: torch.Tensor = field(repr=False)
@@ -197,6 +188,12 @@ class Probe(RowOp):
     def saved_names(self, location: str) -> tuple[str, ...]:
         """The scores, under `f"{location}.{name}"`."""
         return (f"{location}.{self.name}",)
+
+    def saved_bytes(self, location: str, value: ValueShape, prompt_length: int,
+                    max_tokens: int, saes: SAESizes) -> int:
+        """One float32 score (or `k`) for each row it reads."""
+        scores = math.prod(self.weight.shape[:-1])
+        return self.kept_rows(location, value, prompt_length, max_tokens) * scores * 4
 
     def tensor_misfit(self, given: tuple[int, ...], location: str, value: ValueShape
                       ) -> str | None:

@@ -1,5 +1,5 @@
 """A value's shape as the server knows it before a request runs, and the rule an op's tensor
-must meet to fit it: what `Op.tensor_misfit` and `Op.saved_rows` work on.
+must meet to fit it: what `Op.tensor_misfit` and `Op.saved_bytes` work on.
 
 The shapes come from the engine itself (one request of one token that saves every value:
 `server.state`); here they are plain data, so each op states its own rule next to its other

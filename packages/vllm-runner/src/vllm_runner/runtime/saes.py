@@ -39,8 +39,8 @@ class LoadedSAE:
         """What a client learns of it (`LLM.saes`): plain data."""
         sae = self.sae
         return {"location": self.location, "architecture": sae.architecture,
-                "d_in": sae.d_in, "d_sae": sae.d_sae, "dtype": str(sae.dtype).removeprefix(
-                    "torch."), "hook_name": sae.site.hook_name,
+                "d_in": sae.d_in, "d_sae": sae.d_sae, "k": sae.k,
+                "dtype": str(sae.dtype).removeprefix("torch."), "hook_name": sae.site.hook_name,
                 "hf_hook_name": sae.site.hf_hook_name}
 
 

@@ -100,7 +100,7 @@ async def _serve(request: InterpCompletionRequest | InterpChatCompletionRequest,
         try:
             plan = await state.plan(interventions)
             plan.saves = request.interp_saves
-            if any(op.saves_the_value for op in plan.ops):
+            if any(op.keeps_rows for op in plan.ops):
                 lengths = await prompt_lengths(request)
                 if lengths is not None:
                     state.check_saved_bytes(plan, lengths, _max_tokens(request))
@@ -214,7 +214,7 @@ class InterpEndpoints:
         if saes["refused"]:  # as `LLM` refuses them
             raise SAEsRefused(f"--interp-sae: {refused_saes_message(saes['refused'])}",
                               saes["refused"])
-        interp = ServerState(engine_client, ServerSettings.from_environment())
+        interp = ServerState(engine_client, ServerSettings.from_environment(), saes["loaded"])
         await interp.learn_shapes()
         if interp.settings.default is not None:
             try:  # a default that no request could run stops the server now, not per request

@@ -42,9 +42,12 @@ class ServerState:
     """What the routes share: the engine, the model's limits, the operator's settings, the
     vector registry, resolved locations."""
 
-    def __init__(self, engine_client: EngineClient, settings: ServerSettings) -> None:
+    def __init__(self, engine_client: EngineClient, settings: ServerSettings,
+                 saes: dict[str, dict[str, Any]] | None = None) -> None:
         self.engine = engine_client
         self.settings = settings
+        #: The engine's SAEs as `LLM.saes` describes them (what their features take).
+        self.saes = saes or {}
         self.vectors = VectorRegistry(settings.vectors)
         self.kept = KeptSaves(settings.saves_budget_bytes, settings.saves_ttl_s)
         model_config = engine_client.model_config
@@ -94,7 +97,7 @@ class ServerState:
             most = self.max_model_len - prompt_length
             generated.append(most if max_tokens is None else min(max_tokens, most))
             bounds.append(saved_bytes_bound(plan.ops, plan.locations, self.shapes,
-                                            prompt_length, generated[-1]))
+                                            prompt_length, generated[-1], self.saes))
         prompts = (f"a prompt of {prompt_lengths[0]} tokens, up to {generated[0]} generated"
                    if len(prompt_lengths) == 1 else
                    f"{len(prompt_lengths)} prompts of {min(prompt_lengths)}-"

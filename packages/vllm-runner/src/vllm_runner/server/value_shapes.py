@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vllm_runner.ops import Op
+from vllm_runner.ops.base import SAESizes
 from vllm_runner.ops.value_shape import ValueShape
 
 __all__ = ["ValueShape", "check_tensors_fit", "misfit", "saved_bytes_bound", "shapes_from_saves"]
@@ -31,17 +32,17 @@ def shapes_from_saves(layouts: dict[str, list[str]],
 
 def saved_bytes_bound(ops: list[Op], locations: list[list[str]],
                       shapes: dict[str, ValueShape], prompt_length: int,
-                      max_tokens: int) -> int:
-    """The most bytes a request's `Save` ops can keep, for a prompt of `prompt_length` tokens
-    generating up to `max_tokens`: exactly what they keep when it generates all of them (each
-    op's rows: `Op.saved_rows`). Values whose shape is unknown count nothing."""
+                      max_tokens: int, saes: SAESizes) -> int:
+    """The most bytes a request's ops can keep (saves, a lens's top-k, a probe's scores, an
+    SAE's features), for a prompt of `prompt_length` tokens generating up to `max_tokens`:
+    exactly what they keep when it generates all of them (`Op.saved_bytes`; `saes`: the
+    engine's SAEs as `LLM.saes` describes them). Values whose shape is unknown count nothing."""
     total = 0
     for op, acting_at in zip(ops, locations, strict=True):
         for location in acting_at:
             value = shapes.get(location)
             if value is not None:
-                total += op.saved_rows(location, value, prompt_length, max_tokens) \
-                    * value.bytes_per_row()
+                total += op.saved_bytes(location, value, prompt_length, max_tokens, saes)
     return total
 
 
