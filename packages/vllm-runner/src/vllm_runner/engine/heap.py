@@ -6,10 +6,12 @@ a long-running engine's resident memory climbs though nothing is alive. A soak o
 requests against `vllm-interp serve` on a CPU saw the engine's grow 0.17 MiB a request, without
 a Python object more at the end; in one process, 1,800 requests with programs took it from
 2,941 to 3,107 MiB, and `malloc_trim(0)` then to 2,691 (a plain vLLM load grew too, a little
-less). So the worker trims after a collection, at most every `TRIM_EVERY_S` seconds: a trim of
-a few hundred MiB takes milliseconds. A collection that comes sooner sets a trim for when the
-interval is up, on a timer thread: the last collections before the engine goes idle would
-otherwise keep what they freed until the next load (a soak's memory jumped 234 MiB at its end).
+less). So the worker trims after a collection, at most every `TRIM_EVERY_S` seconds: a trim
+that gives back 300 MiB takes ~20 ms, and what piles up between trims is what the engine's
+memory swings by (30 s let a 1,000-request soak swing ~300 MiB). A collection that comes
+sooner sets a trim for when the interval is up, on a timer thread: the last collections before
+the engine goes idle would otherwise keep what they freed until the next load (a soak's memory
+jumped 234 MiB at its end).
 Where the C library is not glibc, nothing is done.
 """
 
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 
 #: The least time between two trims.
-TRIM_EVERY_S = 30.0
+TRIM_EVERY_S = 10.0
 
 
 def glibc_trim() -> Callable[[], object] | None:
