@@ -93,15 +93,21 @@ def test_every_saved_value_gets_its_shape_and_a_pattern_is_left_to_the_worker() 
     assert misfit(op, op.value, "layers.0.attention_probabilities", pattern) is None
 
 
-def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> None:
-    """The oracle is the engine's own saves: shapes learned as the server learns them (one
-    request of one token saving every value), then programs run to `max_tokens`."""
+def _learned_shapes(llm) -> dict[str, ValueShape]:
+    """Every value's shape, learned as the server learns them: one request of one token that
+    saves every value."""
     (layouts, *_) = llm.collective_rpc("interp_layouts")
     (probe,) = llm.generate([TokensPrompt(prompt_token_ids=[0])],
                             SamplingParams(max_tokens=1, temperature=0.0),
                             interventions=[ops.Save(location) for location in layouts],
                             use_tqdm=False)
-    shapes = shapes_from_saves(layouts, probe.saved)
+    return shapes_from_saves(layouts, probe.saved)
+
+
+def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> None:
+    """The oracle is the engine's own saves: shapes learned as the server learns them (one
+    request of one token saving every value), then programs run to `max_tokens`."""
+    shapes = _learned_shapes(llm)
     prompt, generated = [5, 17, 99, 3, 42], 4  # one step's prompt: patterns are served
     programs = [
         [ops.Save("layers.*.layer_output")],
@@ -137,12 +143,7 @@ def test_the_bound_is_what_the_saves_take_when_every_token_is_generated(llm) -> 
 def test_every_active_feature_of_an_unbounded_sae_is_bounded_by_all_its_features(llm) -> None:
     """A JumpReLU SAE's active features per token are known only as it runs: the bound counts
     every feature at every row (int64 indices, float32 values), and what it keeps is less."""
-    (layouts, *_) = llm.collective_rpc("interp_layouts")
-    (probe,) = llm.generate([TokensPrompt(prompt_token_ids=[0])],
-                            SamplingParams(max_tokens=1, temperature=0.0),
-                            interventions=[ops.Save(location) for location in layouts],
-                            use_tqdm=False)
-    shapes = shapes_from_saves(layouts, probe.saved)
+    shapes = _learned_shapes(llm)
     program = [ops.Features(sae="res1")]
     (resolved, *_) = llm.collective_rpc("interp_resolve", args=(["sae:res1"],))
     located = [resolved["resolved"]["sae:res1"]]
