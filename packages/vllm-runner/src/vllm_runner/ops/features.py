@@ -120,7 +120,7 @@ class Features(SAEOp):
         if sae is None:
             return 0
         features = self.top_k or sae.get("k") or int(sae["d_sae"])
-        value_bytes = torch.empty(0, dtype=getattr(torch, str(sae["dtype"]))).element_size()
+        value_bytes = getattr(torch, str(sae["dtype"])).itemsize
         return self.kept_rows(location, value, prompt_length, max_tokens) * features * (
             8 + value_bytes)
 
