@@ -13,6 +13,7 @@ from vllm_runner.engine.compat import (
     check_engine_config,
     check_runner,
     check_version,
+    refused_engine_settings,
 )
 
 
@@ -52,10 +53,22 @@ def test_plain_engine_settings_pass() -> None:
     ({"ubatch_size": 2}, "ubatch_size"),
     ({"prefill_context_parallel_size": 2}, "prefill_context_parallel_size=2"),
     ({"decode_context_parallel_size": 2}, "decode_context_parallel_size=2"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
 ])
 def test_settings_that_split_a_steps_rows_are_refused_by_name(change: dict, named: str) -> None:
     with pytest.raises(UnsupportedEngine, match=named):
         check_engine_config(settings(**change))
+
+
+def test_pipeline_parallelism_is_refused_before_vllm_starts() -> None:
+    """A rank of a pipeline holds only some layers: refused from `LLM`'s own arguments, naming
+    the setting and what to use instead, before any engine process starts."""
+    from vllm_runner import LLM
+
+    with pytest.raises(UnsupportedEngine, match=r"pipeline_parallel_size=2.*tensor_parallel_size"):
+        LLM("/nonexistent/model", pipeline_parallel_size=2)
+    assert refused_engine_settings({"pipeline_parallel_size": 1}) == []
+    assert refused_engine_settings({}) == []
 
 
 def test_speculative_decoding_is_refused_by_name() -> None:

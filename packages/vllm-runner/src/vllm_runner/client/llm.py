@@ -34,7 +34,7 @@ from vllm_runner.client.submission import Submission
 from vllm_runner.client.trace import Trace
 from vllm_runner.engine import rpc as engine_rpc
 from vllm_runner.engine import vllm_client
-from vllm_runner.engine.compat import check_version
+from vllm_runner.engine.compat import check_version, refuse_engine_settings
 from vllm_runner.errors import EngineDied, SAEsRefused, TapsRefused
 from vllm_runner.ops import Op
 from vllm_runner.ops.limits import check_op_fits
@@ -91,6 +91,7 @@ def prepare_engine(model: str | None, engine: dict[str, Any], interp_reads: Read
     `None`. Fills `engine`
     in place; returns the model to start."""
     check_version(vllm.__version__)
+    refuse_engine_settings(engine)
     if taps is not None or graph_taps is not None:
         in_graph = [] if graph_taps is None else tap_patterns(graph_taps, "graph_taps")
         engine["additional_config"] = {

@@ -23,6 +23,8 @@ CHECKED_VLLM = {
 }
 UNCHECKED_VARIABLE = "VLLM_INTERP_ALLOW_UNCHECKED_VLLM"
 V2_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+UNSERVED = ("vllm-runner serves one forward over every row of a step on ranks that each hold "
+            "every layer, which these engine settings break: ")
 
 
 def _release(version: str) -> str:
@@ -46,10 +48,14 @@ def check_engine_config(vllm_config: Any) -> None:
     """Refuse engine settings under which one step's rows are not one forward over the layout the
     adapters read: the rows of one step split into micro-batches (dual-batch overlap), the
     prompt's tokens or the cache split across ranks (context parallelism), or draft tokens run as
-    rows and rejected later (speculative decoding: saves would hold tokens never generated).
-    Each would give wrong rows silently, so the engine is refused before it starts serving."""
+    rows and rejected later (speculative decoding: saves would hold tokens never generated),
+    or the layers split across ranks (pipeline parallelism: a rank holds only some layers, and a
+    program's values would be spread over ranks no RPC gathers). Each would give wrong rows or
+    lost values, so the engine is refused before it starts serving (`refused_engine_settings`
+    says the same from the user's arguments, before vLLM starts)."""
     parallel = vllm_config.parallel_config
-    refused = []
+    refused = refused_engine_settings(
+        {"pipeline_parallel_size": getattr(parallel, "pipeline_parallel_size", 1)})
     if getattr(parallel, "enable_dbo", False) or getattr(parallel, "ubatch_size", 0) > 1:
         refused.append("micro-batching (enable_dbo / ubatch_size): turn it off")
     for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
@@ -58,8 +64,25 @@ def check_engine_config(vllm_config: Any) -> None:
     if getattr(vllm_config, "speculative_config", None) is not None:
         refused.append("speculative decoding (speculative_config): leave it unset")
     if refused:
-        raise UnsupportedEngine("vllm-runner reads one forward over every row of a step, which "
-                                "these engine settings break: " + "; ".join(refused))
+        raise UnsupportedEngine(UNSERVED + "; ".join(refused))
+
+
+def refused_engine_settings(engine: dict[str, Any]) -> list[str]:
+    """The settings among vLLM engine arguments (`engine`, as `LLM` takes them) that no adapter
+    serves, each with what to do instead; `[]` when all are served."""
+    refused = []
+    if (engine.get("pipeline_parallel_size") or 1) > 1:
+        refused.append(f"pipeline parallelism (pipeline_parallel_size="
+                       f"{engine['pipeline_parallel_size']}): set it to 1 and spread the model "
+                       "with tensor_parallel_size= instead")
+    return refused
+
+
+def refuse_engine_settings(engine: dict[str, Any]) -> None:
+    """`UnsupportedEngine` naming the settings of `engine` no adapter serves (see
+    `check_engine_config`), before vLLM starts a process."""
+    if refused := refused_engine_settings(engine):
+        raise UnsupportedEngine(UNSERVED + "; ".join(refused))
 
 
 def check_runner(runner: object, supported: tuple[type, ...]) -> None:
