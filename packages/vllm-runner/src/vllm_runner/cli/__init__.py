@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="features kept per token and SAE (default: every active one, "
                               "as many as each prompt's busiest token has; slower on SAEs "
                               "other than TopK)")
-    extract.add_argument("--out", type=Path, required=True, help="output folder")
+    extract.add_argument("--out", required=True,
+                         help="output folder, or any fsspec URL (s3://bucket/prefix with s3fs, "
+                              "gs://... with gcsfs)")
     extract.add_argument("--positions", type=_positions, default=None,
                          help="keep only these positions, e.g. '-1' for each prompt's last token")
     extract.add_argument("--shard-size", type=int, default=64,

@@ -10,10 +10,14 @@ memory-mapped and read one tensor at a time, and prompts of different lengths st
 tensors instead of padded blocks; `datasets`/Arrow would add a large dependency and flatten the
 tensors. `load` reads a folder back.
 
-Resuming: a shard is written to a temporary file, renamed into place, and only then recorded in
-the manifest (itself replaced atomically). A run killed at any moment leaves at worst an
-unrecorded temporary file; the next run with the same settings redoes exactly the shards the
-manifest lacks, so every row is written exactly once.
+The folder may be any fsspec URL (`s3://bucket/prefix`, ...: `extract_store`), and
+`extract_ray` writes the same folder from engine replicas over a Ray cluster.
+
+Resuming: a shard is written whole (a local file renamed into place, an object uploaded whole),
+and only then recorded in the manifest (itself replaced whole). A run killed at any moment
+leaves at worst a shard written but not recorded, or a local `.partial` file; the next run with
+the same settings records the first (`open_manifest`) and redoes exactly the shards the folder
+lacks, so every row is written exactly once.
 """
 
 from __future__ import annotations
@@ -23,15 +27,16 @@ import json
 import os
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vllm_runner import ops
+from vllm_runner.cli.extract_store import MANIFEST, ExtractionStore, shard_name
 from vllm_runner.errors import InterventionError
 
-MANIFEST = "manifest.json"
 FORMAT = "vllm-interp-extract/1"
 
 
@@ -58,37 +63,30 @@ def read_prompts(path: str | Path) -> list[str]:
 def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str | Path, *,
             positions: Sequence[int] | None = None, shard_size: int = 64,
             model_name: str = "", progress: bool = True,
-            features: dict[str, int | None] | None = None) -> Path:
+            features: dict[str, int | None] | None = None) -> str | Path:
     """Run `prompts` through `llm` saving `locations` (patterns), and the features of the SAEs
     `features` names (an SAE of `llm` -> how many features per token: `ops.Features`'s `top_k`),
-    and write them to `out`.
+    and write them to `out` (a folder, or any fsspec URL: `extract_store`).
 
     Each prompt's values are what `llm.generate(..., interventions=[ops.Save(...)])` saves for
     it, run with `max_tokens=1`, so they cover the prompt's positions (`positions` keeps some:
-    absolute, or negative from the end of the prompt). Returns the folder. Raises
+    absolute, or negative from the end of the prompt). Returns `out`. Raises
     `ExtractionMismatch` if `out` holds an extraction with other settings, and
     `InterventionError` naming the prompt if a program fails (shards written so far are kept).
     """
-    from safetensors.torch import save_file
     from tqdm import tqdm
-    from vllm import SamplingParams
 
     if shard_size < 1:
         raise ValueError(f"shard_size must be at least 1, got {shard_size}")
-    out = Path(out)
+    store = ExtractionStore(out)
     features = dict(features or {})
     settings = _settings(prompts, locations, positions, shard_size, model_name, features)
-    _check_folder(out, settings)
+    _check_folder(store, settings)
     # A bad location or SAE fails now, not after the first shard.
     llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = _open_manifest(out, settings)
+    manifest = open_manifest(store, settings)
     done = {shard["index"] for shard in manifest["shards"]}
-    kept = None if positions is None else tuple(positions)
-    program: list[ops.Op] = [ops.Save(location, positions=kept) for location in locations]
-    program += [ops.Features(sae=name, top_k=top_k, positions=kept)
-                for name, top_k in features.items()]
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    program = extraction_program(locations, positions, features)
     count = -(-len(prompts) // shard_size)
     finished = sum(min(shard_size, len(prompts) - i * shard_size) for i in done)
     bar = tqdm(total=len(prompts), initial=finished, unit="prompt", disable=not progress,
@@ -100,31 +98,50 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
                 continue
             first = index * shard_size
             batch = list(prompts[first:first + shard_size])
-            outputs = llm.generate(batch, params, interventions=program, use_tqdm=False)
-            tensors: dict[str, torch.Tensor] = {}
-            for offset, output in enumerate(outputs):
-                number = first + offset
-                if output.error is not None:
-                    raise InterventionError(f"prompt {number} ({batch[offset][:60]!r}): "
-                                            f"{output.error}")
-                tensors[f"{number}/token_ids"] = torch.tensor(output.prompt_token_ids)
-                for location, value in output.saved.items():
-                    tensors[f"{number}/{location}"] = value[0].contiguous()
-                tokens += len(output.prompt_token_ids)
-            name = f"shard-{index:05d}.safetensors"
-            staging = out / f"{name}.partial"
-            save_file(tensors, str(staging), metadata={"first": str(first)})
-            _crash_point_for_tests(len(manifest["shards"]))
-            staging.replace(out / name)
-            manifest["shards"].append({"index": index, "file": name, "first": first,
-                                       "count": len(batch)})
-            manifest["shards"].sort(key=lambda shard: shard["index"])
-            _write_manifest(out, manifest)
+            tensors, batch_tokens = unit_tensors(llm, batch, first, program)
+            store.write_shard(shard_name(index), tensors, {"first": str(first)},
+                              before_rename=partial(_crash_point_for_tests,
+                                                    len(manifest["shards"])))
+            record_shard(store, manifest, index)
+            tokens += batch_tokens
             bar.update(len(batch))
             bar.set_postfix(tokens_per_s=f"{tokens / (time.perf_counter() - started):.0f}")
     finally:
         bar.close()
     return out
+
+
+def extraction_program(locations: Sequence[str], positions: Sequence[int] | None,
+                       features: dict[str, int | None]) -> list[ops.Op]:
+    """The program each prompt of an extraction runs: a save per location pattern and the
+    features of each SAE, at `positions` (all when `None`)."""
+    kept = None if positions is None else tuple(positions)
+    program: list[ops.Op] = [ops.Save(location, positions=kept) for location in locations]
+    program += [ops.Features(sae=name, top_k=top_k, positions=kept)
+                for name, top_k in features.items()]
+    return program
+
+
+def unit_tensors(llm: Any, batch: Sequence[str], first: int, program: Sequence[ops.Op]
+                 ) -> tuple[dict[str, torch.Tensor], int]:
+    """One shard's tensors for `batch`, the prompts numbered from `first` (see the module for
+    the names), and how many prompt tokens they held. `InterventionError` naming the prompt
+    whose program failed."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate(list(batch), SamplingParams(max_tokens=1, temperature=0.0),
+                           interventions=list(program), use_tqdm=False)
+    tensors: dict[str, torch.Tensor] = {}
+    tokens = 0
+    for offset, output in enumerate(outputs):
+        number = first + offset
+        if output.error is not None:
+            raise InterventionError(f"prompt {number} ({batch[offset][:60]!r}): {output.error}")
+        tensors[f"{number}/token_ids"] = torch.tensor(output.prompt_token_ids)
+        for location, value in output.saved.items():
+            tensors[f"{number}/{location}"] = value[0].contiguous()
+        tokens += len(output.prompt_token_ids)
+    return tensors, tokens
 
 
 def _settings(prompts: Sequence[str], locations: Sequence[str],
@@ -144,43 +161,74 @@ def resumable(out: str | Path, prompts: Sequence[str], locations: Sequence[str],
     """Check, without writing or starting anything, that `extract` with these settings can
     write to `out` (empty, new, or an extraction with the same settings): `ExtractionMismatch`
     naming what differs otherwise. The command runs it before its engine's slow start."""
-    _check_folder(Path(out), _settings(prompts, locations, positions, shard_size, model_name,
-                                       features))
+    _check_folder(ExtractionStore(out), _settings(prompts, locations, positions, shard_size,
+                                                  model_name, features))
 
 
-def _check_folder(out: Path, settings: dict[str, Any]) -> None:
+def _check_folder(store: ExtractionStore, settings: dict[str, Any]) -> None:
     """`resumable`, for settings already made (hashing the prompts once per call)."""
-    if out.exists() and not out.is_dir():
-        raise ExtractionMismatch(f"{out} is a file, not a folder; choose a new --out")
-    path = out / MANIFEST
-    if not path.exists():
-        if any(out.glob("shard-*.safetensors")):
-            raise ExtractionMismatch(f"{out} holds shards but no {MANIFEST}; use an empty folder")
+    if store.is_file():
+        raise ExtractionMismatch(f"{store.url} is a file, not a folder; choose a new --out")
+    manifest = store.read_manifest()
+    if manifest is None:
+        if store.shard_indices():
+            raise ExtractionMismatch(f"{store.url} holds shards but no {MANIFEST}; use an "
+                                     "empty folder")
         return
-    recorded = json.loads(path.read_text()).get("settings", {})
+    recorded = manifest.get("settings", {})
     if recorded != settings:
         changed = sorted(key for key in settings if recorded.get(key) != settings[key])
         raise ExtractionMismatch(
-            f"{out} holds an extraction with other settings ({', '.join(changed)} differ); "
-            "resume with the same arguments, or choose a new --out")
+            f"{store.url} holds an extraction with other settings ({', '.join(changed)} "
+            "differ); resume with the same arguments, or choose a new --out")
+
+
+def open_manifest(store: ExtractionStore, settings: dict[str, Any]) -> dict[str, Any]:
+    """The folder's manifest (checked by `resumable` first), or a new one; shards written whole
+    but not yet recorded (their writer died between the two) are recorded now, so a resumed
+    run never writes them again."""
+    manifest = store.read_manifest() or {"settings": settings, "shards": []}
+    listed = {shard["index"] for shard in manifest["shards"]}
+    found = store.shard_indices() - listed
+    for index in sorted(found):
+        _add_shard(manifest, index)
+    if found or not listed:
+        store.write_manifest(manifest)
+    return manifest
+
+
+def record_shard(store: ExtractionStore, manifest: dict[str, Any], index: int) -> None:
+    """Record shard `index`, written whole, in the manifest (replaced whole)."""
+    _add_shard(manifest, index)
+    store.write_manifest(manifest)
+
+
+def _add_shard(manifest: dict[str, Any], index: int) -> None:
+    settings = manifest["settings"]
+    first = index * settings["shard_size"]
+    manifest["shards"].append({"index": index, "file": shard_name(index), "first": first,
+                               "count": min(settings["shard_size"],
+                                            settings["prompts"] - first)})
+    manifest["shards"].sort(key=lambda shard: shard["index"])
 
 
 def load(out: str | Path) -> Iterator[dict[str, Any]]:
-    """Each extracted prompt in order: `{"index", "token_ids", <canonical location>: tensor}`.
+    """Each extracted prompt in order: `{"index", "token_ids", <canonical location>: tensor}`,
+    from a folder or any fsspec URL.
 
     Reads one shard at a time. Raises `ValueError` if the extraction is not complete.
     """
-    from safetensors.torch import load_file
-
-    out = Path(out)
-    manifest = json.loads((out / MANIFEST).read_text())
+    store = ExtractionStore(out)
+    manifest = store.read_manifest()
+    if manifest is None:
+        raise ValueError(f"{store.url} holds no extraction ({MANIFEST} is missing)")
     settings = manifest["settings"]
     expected = -(-settings["prompts"] // settings["shard_size"])
     if len(manifest["shards"]) != expected:
-        raise ValueError(f"{out}: {len(manifest['shards'])} of {expected} shards written; run "
-                         "the same extraction again to finish it")
+        raise ValueError(f"{store.url}: {len(manifest['shards'])} of {expected} shards written; "
+                         "run the same extraction again to finish it")
     for shard in manifest["shards"]:
-        tensors = load_file(str(out / shard["file"]))
+        tensors = store.read_shard(shard["file"])
         for number in range(shard["first"], shard["first"] + shard["count"]):
             prefix = f"{number}/"
             record: dict[str, Any] = {"index": number}
@@ -195,22 +243,6 @@ def _digest(prompts: Sequence[str]) -> str:
         digest.update(prompt.encode())
         digest.update(b"\0")
     return digest.hexdigest()
-
-
-def _open_manifest(out: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """The folder's manifest (checked by `resumable` first), or a new one."""
-    path = out / MANIFEST
-    if path.exists():
-        return json.loads(path.read_text())
-    manifest = {"settings": settings, "shards": []}
-    _write_manifest(out, manifest)
-    return manifest
-
-
-def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    staging = out / f"{MANIFEST}.partial"
-    staging.write_text(json.dumps(manifest, indent=2))
-    staging.replace(out / MANIFEST)
 
 
 def _crash_point_for_tests(written: int) -> None:
