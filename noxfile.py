@@ -300,8 +300,9 @@ def typecheck(session: nox.Session) -> None:
         packages = _package_dirs()
         runner = packages["vllm-runner"]
         local = [str(path) for name, path in packages.items() if name != "vllm-runner"]
-        # [demo] too: vllm_runner.cli.demo imports matplotlib, which must be there to be checked.
-        _install(session, *local, f"{runner}[cpu,demo]", "mypy>=2.4")
+        # [demo] and [ray] too: vllm_runner.cli.demo imports matplotlib, cli.extract_ray ray;
+        # each must be there to be checked.
+        _install(session, *local, f"{runner}[cpu,demo,ray]", "mypy>=2.4")
         cache = Path(session.virtualenv.location or ROOT) / "mypy-cache"
         for name, package_dir in packages.items():
             source = package_dir / "src"

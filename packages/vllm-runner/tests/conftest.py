@@ -289,3 +289,29 @@ def serving(command: list[str], base: str, log_path: Path, cwd: Path | None = No
 def python_blocks(page: Path) -> list[str]:
     """The ```python blocks of a Markdown page, in order."""
     return re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+
+
+#: What the extraction tests save (`test_extract`, `test_extract_ray`).
+EXTRACTED_LOCATIONS = ["layers.*.layer_output", "layers.1.mlp_neurons"]
+
+
+@pytest.fixture(scope="session")
+def extraction_prompts() -> list[str]:
+    """50 short prompts of 1-6 words, the extraction tests' input."""
+    import random
+
+    words = ["the", "a", "cat", "dog", "sat", "on", "mat", "runs", "fast", "blue", "tree"]
+    generator = random.Random(4)
+    return [" ".join(generator.choices(words, k=generator.randint(1, 6))) for _ in range(50)]
+
+
+@pytest.fixture(scope="session")
+def extraction_saves(llm, extraction_prompts: list[str]) -> list[dict[str, torch.Tensor]]:
+    """What `generate` saves in memory for `extraction_prompts`, the extractions' oracle."""
+    from vllm import SamplingParams
+    from vllm_runner import ops
+
+    outputs = llm.generate(extraction_prompts, SamplingParams(max_tokens=1, temperature=0.0),
+                           interventions=[ops.Save(loc) for loc in EXTRACTED_LOCATIONS],
+                           use_tqdm=False)
+    return [output.saved for output in outputs]

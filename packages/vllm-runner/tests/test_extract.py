@@ -5,61 +5,48 @@ then resumed yields every row exactly once."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import user_environment
+from conftest import EXTRACTED_LOCATIONS, user_environment
 from vllm import SamplingParams
 from vllm_runner import ops
 from vllm_runner.cli.extract import ExtractionMismatch, extract, load
 
-LOCATIONS = ["layers.*.layer_output", "layers.1.mlp_neurons"]
+LOCATIONS = EXTRACTED_LOCATIONS
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[str]:
-    words = ["the", "a", "cat", "dog", "sat", "on", "mat", "runs", "fast", "blue", "tree"]
-    generator = random.Random(4)
-    return [" ".join(generator.choices(words, k=generator.randint(1, 6))) for _ in range(50)]
-
-
-@pytest.fixture(scope="module")
-def in_memory(llm, prompts):
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
-                           interventions=[ops.Save(loc) for loc in LOCATIONS], use_tqdm=False)
-    return [output.saved for output in outputs]
-
-
-def _assert_equal_to_memory(records: list[dict], in_memory: list[dict]) -> None:
-    assert [record["index"] for record in records] == list(range(len(in_memory)))
-    for record, saved in zip(records, in_memory, strict=True):
+def _assert_equal_to_memory(records: list[dict], extraction_saves: list[dict]) -> None:
+    assert [record["index"] for record in records] == list(range(len(extraction_saves)))
+    for record, saved in zip(records, extraction_saves, strict=True):
         assert set(record) - {"index", "token_ids"} == set(saved)
         for location, value in saved.items():
             # Different batches may round differently in the last bits; nothing more.
             torch.testing.assert_close(record[location], value[0], rtol=1e-5, atol=1e-5)
 
 
-def test_extract_writes_what_generate_saves(llm, prompts, in_memory, tmp_path) -> None:
-    out = extract(llm, prompts, LOCATIONS, tmp_path / "run", shard_size=8, progress=False)
+def test_extract_writes_what_generate_saves(llm, extraction_prompts, extraction_saves,
+                                            tmp_path) -> None:
+    out = extract(llm, extraction_prompts, LOCATIONS, tmp_path / "run", shard_size=8,
+                  progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert [shard["index"] for shard in manifest["shards"]] == list(range(7))  # 50 / 8
-    _assert_equal_to_memory(list(load(out)), in_memory)
+    _assert_equal_to_memory(list(load(out)), extraction_saves)
     with pytest.raises(ExtractionMismatch, match="shard_size"):
-        extract(llm, prompts, LOCATIONS, out, shard_size=16, progress=False)
+        extract(llm, extraction_prompts, LOCATIONS, out, shard_size=16, progress=False)
 
 
-def test_extract_writes_the_sae_features_generate_gives(llm, prompts, tmp_path) -> None:
+def test_extract_writes_the_sae_features_generate_gives(llm, extraction_prompts, tmp_path) -> None:
     """`features=`: each SAE's sparse features (`ops.Features`) per prompt, beside a location,
     equal to what `generate` gives in memory (a standard SAE's every active feature, `top_k`
     None, as wide as each prompt's busiest token); the SAEs and top-k are part of the
     settings."""
     features = {"res1": 6, "mlp0": None, "pre2": None}
-    out = extract(llm, prompts[:12], ["layers.0.layer_output"], tmp_path / "run", shard_size=5,
-                  progress=False, features=features)
-    outputs = llm.generate(prompts[:12], SamplingParams(max_tokens=1, temperature=0.0),
+    out = extract(llm, extraction_prompts[:12], ["layers.0.layer_output"], tmp_path / "run",
+                  shard_size=5, progress=False, features=features)
+    outputs = llm.generate(extraction_prompts[:12], SamplingParams(max_tokens=1, temperature=0.0),
                            interventions=[ops.Save("layers.0.layer_output"),
                                           ops.Features(sae="res1", top_k=6),
                                           ops.Features(sae="mlp0"),
@@ -78,14 +65,14 @@ def test_extract_writes_the_sae_features_generate_gives(llm, prompts, tmp_path) 
         for name, value in output.saved.items():
             torch.testing.assert_close(record[name], value[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ExtractionMismatch, match="features"):
-        extract(llm, prompts[:12], ["layers.0.layer_output"], out, shard_size=5,
+        extract(llm, extraction_prompts[:12], ["layers.0.layer_output"], out, shard_size=5,
                 progress=False, features={"res1": 7})
 
 
-def test_a_killed_extraction_resumes_with_every_row_once(prompts, in_memory, model_dir,
-                                                         tmp_path) -> None:
+def test_a_killed_extraction_resumes_with_every_row_once(extraction_prompts, extraction_saves,
+                                                         model_dir, tmp_path) -> None:
     prompt_file = tmp_path / "prompts.txt"
-    prompt_file.write_text("\n".join(prompts) + "\n")
+    prompt_file.write_text("\n".join(extraction_prompts) + "\n")
     out = tmp_path / "run"
     command = [sys.executable, "-m", "vllm_runner.cli", "extract", "--model", model_dir,
                "--prompts", str(prompt_file), "--save", ",".join(LOCATIONS), "--out", str(out),
@@ -102,4 +89,4 @@ def test_a_killed_extraction_resumes_with_every_row_once(prompts, in_memory, mod
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "extract: 100%" in resumed.stderr  # the progress bar, resumed from prompt 24
-    _assert_equal_to_memory(list(load(out)), in_memory)
+    _assert_equal_to_memory(list(load(out)), extraction_saves)

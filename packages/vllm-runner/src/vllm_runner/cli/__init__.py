@@ -124,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="keep only these positions, e.g. '-1' for each prompt's last token")
     extract.add_argument("--shard-size", type=int, default=64,
                          help="prompts per shard (default: 64); memory holds one shard")
+    extract.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                         help="spread the prompts over engine replicas on a Ray cluster (needs "
+                              "vllm-runner[ray]): the one at ADDRESS (e.g. ray://head:10001), "
+                              "else RAY_ADDRESS's or a `ray start` on this machine, else a new "
+                              "one here; each replica writes its shards to --out")
+    extract.add_argument("--replicas", type=int, default=None,
+                         help="engine replicas with --ray (default: 1)")
+    extract.add_argument("--replica-cpus", type=float, default=1.0,
+                         help="CPUs Ray reserves for each replica (default: 1)")
+    extract.add_argument("--replica-gpus", type=float, default=0.0,
+                         help="GPUs Ray reserves for each replica: its engine's ranks, e.g. "
+                              "--tensor-parallel-size (default: 0)")
 
     support = commands.add_parser(
         "support", help="which values the model serves, per layer",
@@ -155,6 +167,12 @@ def _llm(arguments: argparse.Namespace,
          saes: dict[str, str | tuple[str, str]] | None = None) -> Any:
     from vllm_runner.client.llm import LLM
 
+    return LLM(arguments.model, **_engine(arguments, saes))
+
+
+def _engine(arguments: argparse.Namespace,
+            saes: dict[str, str | tuple[str, str]] | None = None) -> dict[str, Any]:
+    """The engine arguments of `LLM` the command's options give (the model aside)."""
     engine: dict[str, Any] = dict(arguments.engine_arg)
     # Every request of these commands runs a program at locations no tap serves, so a compiled
     # engine would run each step uncompiled after minutes of compiling and graph capture:
@@ -165,7 +183,8 @@ def _llm(arguments: argparse.Namespace,
             engine[name] = getattr(arguments, name)
     if saes:
         engine["saes"] = saes
-    return LLM(arguments.model, tensor_parallel_size=arguments.tensor_parallel_size, **engine)
+    engine["tensor_parallel_size"] = arguments.tensor_parallel_size
+    return engine
 
 
 def support_table(support: dict[str, str | None]) -> str:
@@ -302,6 +321,10 @@ def _extract(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> 
         parser.error("give --save LOCATIONS, --sae NAME=PATH, or both")
     if arguments.top_k is not None and arguments.top_k < 1:
         parser.error("--top-k must be at least 1")
+    if arguments.ray is None and arguments.replicas is not None:
+        parser.error("--replicas needs --ray (the replicas run on a Ray cluster)")
+    if arguments.replicas is not None and arguments.replicas < 1:
+        parser.error("--replicas must be at least 1")
     settings: dict[str, Any] = dict(
         positions=arguments.positions, shard_size=arguments.shard_size,
         model_name=arguments.model or "default",
@@ -310,6 +333,14 @@ def _extract(parser: argparse.ArgumentParser, arguments: argparse.Namespace) -> 
         resumable(arguments.out, prompts, locations, **settings)
     except ExtractionMismatch as error:
         parser.error(str(error))
-    out = extract(_llm(arguments, saes), prompts, locations, arguments.out, **settings)
+    if arguments.ray is not None:
+        from vllm_runner.cli.extract_ray import extract_on_ray
+
+        out = extract_on_ray(prompts, locations, arguments.out, model=arguments.model,
+                             engine=_engine(arguments, saes), replicas=arguments.replicas or 1,
+                             address=arguments.ray or None, replica_cpus=arguments.replica_cpus,
+                             replica_gpus=arguments.replica_gpus, **settings)
+    else:
+        out = extract(_llm(arguments, saes), prompts, locations, arguments.out, **settings)
     print(f"wrote {len(prompts)} prompts to {out}")
     return 0

@@ -80,8 +80,8 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
         raise ValueError(f"shard_size must be at least 1, got {shard_size}")
     store = ExtractionStore(out)
     features = dict(features or {})
-    settings = _settings(prompts, locations, positions, shard_size, model_name, features)
-    _check_folder(store, settings)
+    settings = extraction_settings(prompts, locations, positions, shard_size, model_name, features)
+    check_folder(store, settings)
     # A bad location or SAE fails now, not after the first shard.
     llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
     manifest = open_manifest(store, settings)
@@ -144,7 +144,7 @@ def unit_tensors(llm: Any, batch: Sequence[str], first: int, program: Sequence[o
     return tensors, tokens
 
 
-def _settings(prompts: Sequence[str], locations: Sequence[str],
+def extraction_settings(prompts: Sequence[str], locations: Sequence[str],
               positions: Sequence[int] | None, shard_size: int,
               model_name: str, features: dict[str, int | None] | None = None) -> dict[str, Any]:
     """What an extraction folder records, and a resumed run must match."""
@@ -161,11 +161,11 @@ def resumable(out: str | Path, prompts: Sequence[str], locations: Sequence[str],
     """Check, without writing or starting anything, that `extract` with these settings can
     write to `out` (empty, new, or an extraction with the same settings): `ExtractionMismatch`
     naming what differs otherwise. The command runs it before its engine's slow start."""
-    _check_folder(ExtractionStore(out), _settings(prompts, locations, positions, shard_size,
-                                                  model_name, features))
+    check_folder(ExtractionStore(out), extraction_settings(
+        prompts, locations, positions, shard_size, model_name, features))
 
 
-def _check_folder(store: ExtractionStore, settings: dict[str, Any]) -> None:
+def check_folder(store: ExtractionStore, settings: dict[str, Any]) -> None:
     """`resumable`, for settings already made (hashing the prompts once per call)."""
     if store.is_file():
         raise ExtractionMismatch(f"{store.url} is a file, not a folder; choose a new --out")

@@ -1,0 +1,137 @@
+"""`vllm-interp extract --ray`: one extraction spread over engine replicas on a Ray cluster,
+written to one folder at any fsspec URL (`s3://bucket/prefix`, ...), in `extract`'s format.
+
+The prompts are cut into units, one per shard (`shard_size` prompts). Ray Data runs them through
+a pool of `replicas` actors (`map_batches` with a class and an `ActorPoolStrategy`), each
+holding one `LLM` for its lifetime; a replica writes each of its units' shard itself, straight
+to the URL, and the driver records the shards in the manifest as their units come back, with
+one progress bar for the run. Ray Data schedules the units, restarts a replica that dies, and
+runs the unit it held again.
+
+Nothing is written twice or half: a shard is written whole (`extract_store`) under its unit's
+fixed name, and a replica skips a unit whose shard is already there — the retry of a unit whose
+replica died after writing it, or a unit another run finished. A run that dies (the driver, or
+the cluster) is resumed by running it again: units whose shards exist are never sent (those
+written but not recorded are recorded first: `extract.open_manifest`), units in flight are
+redone whole. Ray Data's own writers name their files at random and keep no record of what a
+run finished, so they could not resume; hence the replicas write.
+
+On a GPU cluster a replica asks Ray for `replica_gpus` GPUs (its engine's ranks: vLLM's own
+executor spreads a replica over them) and `replica_cpus` CPUs; the variables that reach object
+storage and the engine (`FORWARDED_PREFIXES`) go to the replicas with the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_runner import ops
+from vllm_runner.cli.extract import (
+    check_folder,
+    extraction_program,
+    extraction_settings,
+    open_manifest,
+    record_shard,
+    unit_tensors,
+)
+from vllm_runner.cli.extract_store import ExtractionStore, shard_name
+
+#: Variables of the driver's environment that the replicas get too (on another machine they
+#: would not otherwise): object-store endpoints and credentials, the hub's token, vLLM's and our
+#: own settings.
+FORWARDED_PREFIXES = ("AWS_", "FSSPEC_", "GOOGLE_", "AZURE_", "HF_", "VLLM_")
+
+
+class Replica:
+    """One engine replica, in a Ray actor: an `LLM` started once, writing the shards of the
+    units Ray Data gives it (`{"index", "first", "prompts"}` rows, one per batch)."""
+
+    def __init__(self, model: str | None, engine: dict[str, Any], out: str,
+                 locations: Sequence[str], positions: Sequence[int] | None,
+                 features: dict[str, int | None]) -> None:
+        from vllm_runner.client.llm import LLM
+
+        self.llm = LLM(model, **engine)
+        # A bad location or SAE fails the replica's start, before any unit.
+        self.llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
+        self.store = ExtractionStore(out)
+        self.program = extraction_program(locations, positions, features)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[int]]:
+        indices, tokens = [], []
+        for index, first, prompts in zip(batch["index"], batch["first"], batch["prompts"],
+                                         strict=True):
+            name = shard_name(int(index))
+            written = 0
+            if not self.store.has(name):  # else a retry of a unit its last attempt finished
+                tensors, written = unit_tensors(self.llm, [str(p) for p in prompts],
+                                                int(first), self.program)
+                self.store.write_shard(name, tensors, {"first": str(int(first))})
+            indices.append(int(index))
+            tokens.append(written)
+        return {"index": indices, "tokens": tokens}
+
+
+def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | Path, *,
+                   model: str | None, engine: dict[str, Any], replicas: int,
+                   address: str | None = None, replica_cpus: float = 1.0,
+                   replica_gpus: float = 0.0, positions: Sequence[int] | None = None,
+                   shard_size: int = 64, model_name: str = "", progress: bool = True,
+                   features: dict[str, int | None] | None = None) -> str | Path:
+    """`extract`'s work over `replicas` engine replicas on the Ray cluster at `address` (`None`:
+    the one `ray.init()` finds, `RAY_ADDRESS` or a `ray start` on this machine, else a new one
+    here), each `LLM(model, **engine)`. Returns `out`. Raises `ExtractionMismatch` if `out`
+    holds an extraction with other settings, and the replicas' error (`InterventionError`
+    naming the prompt, a bad location) if one fails; shards written so far are kept."""
+    import ray
+    from tqdm import tqdm
+
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    store = ExtractionStore(out)
+    features = dict(features or {})
+    settings = extraction_settings(prompts, locations, positions, shard_size, model_name, features)
+    check_folder(store, settings)
+    manifest = open_manifest(store, settings)
+    done = {shard["index"] for shard in manifest["shards"]}
+    units: list[dict[str, Any]] = [{"index": index, "first": index * shard_size,
+              "prompts": list(prompts[index * shard_size:(index + 1) * shard_size])}
+             for index in range(-(-len(prompts) // shard_size)) if index not in done]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(u["prompts"]) for u in units),
+               unit="prompt", disable=not progress, desc="extract")
+    sizes = {unit["index"]: len(unit["prompts"]) for unit in units}
+    if not units:
+        bar.close()
+        return out
+    ray.init(address=address, runtime_env={"env_vars": forwarded_environment()},
+             logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        results = ray.data.from_items(units).map_batches(
+            Replica, batch_size=1, compute=ray.data.ActorPoolStrategy(size=replicas),
+            num_cpus=replica_cpus, num_gpus=replica_gpus,
+            fn_constructor_kwargs={"model": model, "engine": engine, "out": store.url,
+                                   "locations": list(locations), "positions": positions,
+                                   "features": features})
+        tokens, started = 0, time.perf_counter()
+        for row in results.iter_rows():
+            index = int(row["index"])
+            record_shard(store, manifest, index)
+            tokens += int(row["tokens"])
+            bar.update(sizes[index])
+            bar.set_postfix(tokens_per_s=f"{tokens / (time.perf_counter() - started):.0f}")
+    finally:
+        bar.close()
+        ray.shutdown()
+    return out
+
+
+def forwarded_environment() -> dict[str, str]:
+    """The driver's variables the replicas get (`FORWARDED_PREFIXES`)."""
+    return {name: value for name, value in os.environ.items()
+            if name.startswith(FORWARDED_PREFIXES)}
