@@ -34,6 +34,23 @@ def test_bad_positions_are_refused_by_the_parser(capsys) -> None:
     assert "comma-separated integers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("given", "said"), [
+    (["--replicas", "2"], "--replicas needs --ray"),
+    (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
+])
+def test_replicas_without_ray_or_below_one_are_refused_before_any_engine(
+        given: list[str], said: str, tmp_path, capsys) -> None:
+    from vllm_runner import cli
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["extract", "--prompts", str(prompts), "--save", "logits", "--out",
+                  str(tmp_path / "out"), *given])
+    assert exit_info.value.code == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_support_table_groups_layers_and_gives_reasons(llm) -> None:
     table = support_table(llm.support())
     lines = {line.split()[0]: line for line in table.splitlines()[1:] if not line.startswith(" ")}
