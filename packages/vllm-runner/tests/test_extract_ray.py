@@ -10,6 +10,7 @@ variables an S3-compatible service needs (docs/scaling.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -135,11 +138,9 @@ def test_two_replicas_write_what_one_engine_writes(llm, extraction_prompts, extr
 
 
 def test_a_replica_killed_mid_run_is_replaced_and_no_unit_runs_twice(
-        extraction_prompts, extraction_saves, command, bucket) -> None:
+        extraction_prompts, extraction_saves, command, bucket, tmp_path) -> None:
     arguments, environment, url = command
-    run = subprocess.Popen(arguments, env=environment, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    try:
+    with _running(arguments, environment, tmp_path / "run.log") as run:
         _wait_for_shards(bucket, 2, run)
         # This run's (the Ray cluster the driver started is its child, the replicas its).
         replicas = [process for process in psutil.Process(run.pid).children(recursive=True)
@@ -147,27 +148,20 @@ def test_a_replica_killed_mid_run_is_replaced_and_no_unit_runs_twice(
         assert len(replicas) == 2, [p.cmdline() for p in replicas]
         replicas[0].kill()
         written_at_kill = len(_shards(bucket))
-        _, stderr = run.communicate(timeout=600)
-    finally:
-        run.kill()
+        run.wait(timeout=600)
     assert written_at_kill < 13, "the run was over before the kill: nothing was tested"
-    assert run.returncode == 0, stderr[-4000:]
+    assert run.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     _assert_every_shard_once(bucket, extraction_prompts)
     _assert_equal_to_memory(list(load(url)), extraction_saves)
 
 
 def test_a_run_whose_driver_was_killed_resumes_with_every_unit_once(
-        extraction_prompts, extraction_saves, command, bucket) -> None:
+        extraction_prompts, extraction_saves, command, bucket, tmp_path) -> None:
     arguments, environment, url = command
-    # Its own session: the kill takes the driver and the Ray cluster it started, as when its
-    # machine goes down.
-    run = subprocess.Popen(arguments, env=environment, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
+    with _running(arguments, environment, tmp_path / "run.log") as run:
         _wait_for_shards(bucket, 3, run)
-    finally:
+        # The driver and the Ray cluster it started, as when its machine goes down.
         os.killpg(run.pid, signal.SIGKILL)
-        run.wait()
     written_at_kill = len(_shards(bucket))
     assert written_at_kill < 13, "the run was over before the kill: nothing was tested"
     with pytest.raises(ValueError, match="of 13 shards written"):
@@ -177,3 +171,20 @@ def test_a_run_whose_driver_was_killed_resumes_with_every_unit_once(
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     _assert_every_shard_once(bucket, extraction_prompts)
     _assert_equal_to_memory(list(load(url)), extraction_saves)
+
+
+@contextlib.contextmanager
+def _running(arguments: list[str], environment: dict[str, str], log: Path
+             ) -> Iterator[subprocess.Popen]:
+    """The command running in a session of its own, its output in `log` (a pipe nobody reads
+    could fill and stop it); killed with the Ray cluster it started if it still runs at the
+    end."""
+    with log.open("w") as output:
+        run = subprocess.Popen(arguments, env=environment, stdout=output,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield run
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+            run.wait()

@@ -78,10 +78,9 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
 
     if shard_size < 1:
         raise ValueError(f"shard_size must be at least 1, got {shard_size}")
-    store = ExtractionStore(out)
     features = dict(features or {})
-    settings = extraction_settings(prompts, locations, positions, shard_size, model_name, features)
-    check_folder(store, settings)
+    store, settings = checked_folder(out, prompts, locations, positions, shard_size, model_name,
+                                     features)
     # A bad location or SAE fails now, not after the first shard.
     llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
     manifest = open_manifest(store, settings)
@@ -161,12 +160,23 @@ def resumable(out: str | Path, prompts: Sequence[str], locations: Sequence[str],
     """Check, without writing or starting anything, that `extract` with these settings can
     write to `out` (empty, new, or an extraction with the same settings): `ExtractionMismatch`
     naming what differs otherwise. The command runs it before its engine's slow start."""
-    check_folder(ExtractionStore(out), extraction_settings(
-        prompts, locations, positions, shard_size, model_name, features))
+    checked_folder(out, prompts, locations, positions, shard_size, model_name, features)
 
 
-def check_folder(store: ExtractionStore, settings: dict[str, Any]) -> None:
-    """`resumable`, for settings already made (hashing the prompts once per call)."""
+def checked_folder(out: str | Path, prompts: Sequence[str], locations: Sequence[str],
+                   positions: Sequence[int] | None, shard_size: int, model_name: str,
+                   features: dict[str, int | None] | None
+                   ) -> tuple[ExtractionStore, dict[str, Any]]:
+    """`resumable`'s check; the folder's store and the settings it records (the prompts hashed
+    once)."""
+    store = ExtractionStore(out)
+    settings = extraction_settings(prompts, locations, positions, shard_size, model_name,
+                                   features)
+    _check_folder(store, settings)
+    return store, settings
+
+
+def _check_folder(store: ExtractionStore, settings: dict[str, Any]) -> None:
     if store.is_file():
         raise ExtractionMismatch(f"{store.url} is a file, not a folder; choose a new --out")
     manifest = store.read_manifest()

@@ -32,9 +32,8 @@ from typing import Any
 
 from vllm_runner import ops
 from vllm_runner.cli.extract import (
-    check_folder,
+    checked_folder,
     extraction_program,
-    extraction_settings,
     open_manifest,
     record_shard,
     unit_tensors,
@@ -93,10 +92,9 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
 
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
-    store = ExtractionStore(out)
     features = dict(features or {})
-    settings = extraction_settings(prompts, locations, positions, shard_size, model_name, features)
-    check_folder(store, settings)
+    store, settings = checked_folder(out, prompts, locations, positions, shard_size, model_name,
+                                     features)
     manifest = open_manifest(store, settings)
     done = {shard["index"] for shard in manifest["shards"]}
     units: list[dict[str, Any]] = [{"index": index, "first": index * shard_size,
