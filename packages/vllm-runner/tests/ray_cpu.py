@@ -31,6 +31,9 @@ def give_cpu_a_ray_key() -> None:
 def start_local_cluster(ranks: int) -> None:
     """Start a Ray cluster in this process (ended with it) with a slot for each of `ranks`, and
     the CPU platform's key here and in every worker process Ray starts."""
+    from vllm_runner.cli.extract_ray import fit_ray_socket_paths
+
+    fit_ray_socket_paths()  # the test runner's temporary folder is a long path
     ray.init(num_cpus=ranks, num_gpus=ranks, include_dashboard=False,
              object_store_memory=OBJECT_STORE_BYTES,
              runtime_env={"worker_process_setup_hook": "ray_cpu.give_cpu_a_ray_key"})

@@ -192,3 +192,23 @@ def _running(arguments: list[str], environment: dict[str, str], log: Path
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
             run.wait()
+
+
+@pytest.mark.parametrize(("given", "chosen"), [
+    ({"TMPDIR": "/tmp/" + "x" * 60}, "/tmp"),  # a test runner's or a scheduler's
+    ({"TMPDIR": "/tmp/" + "x" * 60, "RAY_TMPDIR": "/scratch/ray"}, "/scratch/ray"),
+    ({"TMPDIR": "/tmp/short"}, None),
+    ({}, None),
+])
+def test_ray_sockets_are_kept_under_linuxs_path_limit(monkeypatch: pytest.MonkeyPatch,
+                                                      given: dict, chosen: str | None) -> None:
+    """A local Ray cluster under a long `TMPDIR` failed to start or hung (seen in CI, whose
+    temporary folder is nox's); `/tmp` is chosen then, and a user's `RAY_TMPDIR` kept."""
+    from vllm_runner.cli.extract_ray import fit_ray_socket_paths
+
+    for name in ("TMPDIR", "RAY_TMPDIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    fit_ray_socket_paths()
+    assert os.environ.get("RAY_TMPDIR") == chosen

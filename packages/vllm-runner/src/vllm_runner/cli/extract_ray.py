@@ -40,6 +40,11 @@ from vllm_runner.cli.extract import (
 )
 from vllm_runner.cli.extract_store import ExtractionStore, shard_name
 
+#: Linux's longest Unix socket path, and what a Ray session adds to its temporary folder for
+#: its longest socket (`/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store`).
+SOCKET_PATH_LIMIT = 107
+RAY_SOCKET_SUFFIX = len("/ray/session_2026-12-07_20-40-07_664213_4194304/sockets/plasma_store")
+
 #: Variables of the driver's environment that the replicas get too (on another machine they
 #: would not otherwise): object-store endpoints and credentials, the hub's token, vLLM's and our
 #: own settings.
@@ -106,6 +111,7 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
     if not units:
         bar.close()
         return out
+    fit_ray_socket_paths()
     ray.init(address=address, runtime_env={"env_vars": forwarded_environment()},
              logging_level=logging.WARNING, log_to_driver=False)
     try:
@@ -127,6 +133,17 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
         bar.close()
         ray.shutdown()
     return out
+
+
+def fit_ray_socket_paths() -> None:
+    """Point a Ray cluster this process starts at `/tmp` (`RAY_TMPDIR`) when the temporary
+    folder Ray would use (`TMPDIR`) makes its socket paths longer than Linux allows: Ray then
+    fails to start, or hangs. Test runners (nox, tox) and batch schedulers set such folders. A
+    `RAY_TMPDIR` the user set is kept."""
+    if "RAY_TMPDIR" in os.environ:
+        return
+    if len(os.environ.get("TMPDIR", "/tmp")) + RAY_SOCKET_SUFFIX > SOCKET_PATH_LIMIT:
+        os.environ["RAY_TMPDIR"] = "/tmp"
 
 
 def forwarded_environment() -> dict[str, str]:
