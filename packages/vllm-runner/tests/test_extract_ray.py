@@ -194,6 +194,20 @@ def _running(arguments: list[str], environment: dict[str, str], log: Path
             run.wait()
 
 
+def test_a_bad_location_on_the_replicas_is_one_line_and_exit_2(command, tmp_path) -> None:
+    """Found only where an engine runs (a replica), it reaches the user as our own error, not
+    as Ray's wrapping of it."""
+    arguments, environment, _ = command
+    arguments = [*arguments[:arguments.index("--save") + 1], "layers.9.layer_output",
+                 *arguments[arguments.index("--save") + 2:]]
+    finished = subprocess.run(arguments, env=environment, capture_output=True, text=True,
+                              timeout=600)
+    assert finished.returncode == 2, finished.stderr[-4000:]
+    last = finished.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm-interp extract: 'layers.9.layer_output': layer 9"), last
+    assert "Traceback" not in finished.stderr
+
+
 @pytest.mark.parametrize(("given", "chosen"), [
     ({"TMPDIR": "/tmp/" + "x" * 60}, "/tmp"),  # a test runner's or a scheduler's
     ({"TMPDIR": "/tmp/" + "x" * 60, "RAY_TMPDIR": "/scratch/ray"}, "/scratch/ray"),

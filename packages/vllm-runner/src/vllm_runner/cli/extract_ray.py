@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,7 @@ from vllm_runner.cli.extract import (
     unit_tensors,
 )
 from vllm_runner.cli.extract_store import ExtractionStore, shard_name
+from vllm_runner.errors import InterpError
 
 #: Linux's longest Unix socket path, and what a Ray session adds to its temporary folder for
 #: its longest socket (`/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store`).
@@ -60,25 +62,42 @@ class Replica:
                  features: dict[str, int | None]) -> None:
         from vllm_runner.client.llm import LLM
 
-        self.llm = LLM(model, **engine)
-        # A bad location or SAE fails the replica's start, before any unit.
-        self.llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
         self.store = ExtractionStore(out)
         self.program = extraction_program(locations, positions, features)
+        #: Why this replica cannot run (a bad location or SAE, an engine that did not start),
+        #: given back for its first unit: Ray reports an error raised here only as text inside
+        #: its own errors.
+        self.refused: Exception | None = None
+        try:
+            self.llm = LLM(model, **engine)
+            self.llm.resolve([*locations,
+                              *(ops.Features(sae=name).location for name in features)])
+        except (InterpError, ValueError) as error:
+            self.refused = error
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list[int]]:
-        indices, tokens = [], []
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
+        """Each unit's index, the prompt tokens it ran, and the error that stopped it, pickled
+        (`b""` if none): the driver raises it as it was raised here (`InterventionError` naming
+        the prompt, `LocationError`, ...), where an error raised out of a Ray Data task reaches
+        the driver wrapped, without its cause."""
+        answer: dict[str, list[Any]] = {"index": [], "tokens": [], "error": []}
         for index, first, prompts in zip(batch["index"], batch["first"], batch["prompts"],
                                          strict=True):
             name = shard_name(int(index))
-            written = 0
-            if not self.store.has(name):  # else a retry of a unit its last attempt finished
-                tensors, written = unit_tensors(self.llm, [str(p) for p in prompts],
-                                                int(first), self.program)
-                self.store.write_shard(name, tensors, {"first": str(int(first))})
-            indices.append(int(index))
-            tokens.append(written)
-        return {"index": indices, "tokens": tokens}
+            written, error = 0, b""
+            try:
+                if self.refused is not None:
+                    raise self.refused
+                if not self.store.has(name):  # else a retry of a unit its last attempt wrote
+                    tensors, written = unit_tensors(self.llm, [str(p) for p in prompts],
+                                                    int(first), self.program)
+                    self.store.write_shard(name, tensors, {"first": str(int(first))})
+            except (InterpError, ValueError) as failed:
+                error = pickle.dumps(failed)
+            answer["index"].append(int(index))
+            answer["tokens"].append(written)
+            answer["error"].append(error)
+        return answer
 
 
 def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | Path, *,
@@ -124,6 +143,8 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
                                    "features": features})
         tokens, started = 0, time.perf_counter()
         for row in results.iter_rows():
+            if row["error"]:  # the run stops at the first; the shards written are kept
+                raise pickle.loads(row["error"])
             index = int(row["index"])
             record_shard(store, manifest, index)
             tokens += int(row["tokens"])
