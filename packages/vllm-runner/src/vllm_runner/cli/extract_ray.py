@@ -109,8 +109,9 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
     """`extract`'s work over `replicas` engine replicas on the Ray cluster at `address` (`None`:
     the one `ray.init()` finds, `RAY_ADDRESS` or a `ray start` on this machine, else a new one
     here), each `LLM(model, **engine)`. Returns `out`. Raises `ExtractionMismatch` if `out`
-    holds an extraction with other settings, and the replicas' error (`InterventionError`
-    naming the prompt, a bad location) if one fails; shards written so far are kept."""
+    holds an extraction with other settings, and the first error of the replicas
+    (`InterventionError` naming the prompt, a bad location) once every unit has run or failed;
+    the shards written are kept, and running it again redoes the failed units."""
     import ray
     from tqdm import tqdm
 
@@ -142,14 +143,21 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
                                    "locations": list(locations), "positions": positions,
                                    "features": features})
         tokens, started = 0, time.perf_counter()
+        failed: list[bytes] = []
+        # Every unit is waited for, even after one failed: leaving Ray Data's iteration early
+        # left threads of its own that touched Ray after `ray.shutdown`, which then ended the
+        # process with its own message instead of the run's error (1 run in 3 here).
         for row in results.iter_rows():
-            if row["error"]:  # the run stops at the first; the shards written are kept
-                raise pickle.loads(row["error"])
+            if row["error"]:
+                failed.append(row["error"])
+                continue
             index = int(row["index"])
             record_shard(store, manifest, index)
             tokens += int(row["tokens"])
             bar.update(sizes[index])
             bar.set_postfix(tokens_per_s=f"{tokens / (time.perf_counter() - started):.0f}")
+        if failed:  # the first, as it was raised; the shards written are kept
+            raise pickle.loads(failed[0])
     finally:
         bar.close()
         ray.shutdown()
