@@ -15,8 +15,6 @@ from vllm import SamplingParams
 from vllm_runner import ops
 from vllm_runner.cli.extract import ExtractionMismatch, extract, load
 
-LOCATIONS = EXTRACTED_LOCATIONS
-
 
 def _assert_equal_to_memory(records: list[dict], extraction_saves: list[dict]) -> None:
     assert [record["index"] for record in records] == list(range(len(extraction_saves)))
@@ -29,13 +27,13 @@ def _assert_equal_to_memory(records: list[dict], extraction_saves: list[dict]) -
 
 def test_extract_writes_what_generate_saves(llm, extraction_prompts, extraction_saves,
                                             tmp_path) -> None:
-    out = extract(llm, extraction_prompts, LOCATIONS, tmp_path / "run", shard_size=8,
+    out = extract(llm, extraction_prompts, EXTRACTED_LOCATIONS, tmp_path / "run", shard_size=8,
                   progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert [shard["index"] for shard in manifest["shards"]] == list(range(7))  # 50 / 8
     _assert_equal_to_memory(list(load(out)), extraction_saves)
     with pytest.raises(ExtractionMismatch, match="shard_size"):
-        extract(llm, extraction_prompts, LOCATIONS, out, shard_size=16, progress=False)
+        extract(llm, extraction_prompts, EXTRACTED_LOCATIONS, out, shard_size=16, progress=False)
 
 
 def test_extract_writes_the_sae_features_generate_gives(llm, extraction_prompts, tmp_path) -> None:
@@ -75,8 +73,9 @@ def test_a_killed_extraction_resumes_with_every_row_once(extraction_prompts, ext
     prompt_file.write_text("\n".join(extraction_prompts) + "\n")
     out = tmp_path / "run"
     command = [sys.executable, "-m", "vllm_runner.cli", "extract", "--model", model_dir,
-               "--prompts", str(prompt_file), "--save", ",".join(LOCATIONS), "--out", str(out),
-               "--shard-size", "8", "--max-model-len", "128", "--dtype", "float32"]
+               "--prompts", str(prompt_file), "--save", ",".join(EXTRACTED_LOCATIONS),
+               "--out", str(out), "--shard-size", "8", "--max-model-len", "128",
+               "--dtype", "float32"]
     environment = user_environment()  # as a user runs the command
     killed = subprocess.run(command, env={**environment, "VLLM_INTERP_EXTRACT_CRASH_AFTER": "3"},
                             capture_output=True, text=True, timeout=300)

@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import user_environment
-from test_extract import LOCATIONS, _assert_equal_to_memory
+from conftest import EXTRACTED_LOCATIONS, user_environment
+from test_extract import _assert_equal_to_memory
 from vllm_runner.cli.extract import extract, load
 
 #: The replicas' engines are the command's own, eager; the suite's engine is only the oracle, so
@@ -77,8 +77,8 @@ def command(extraction_prompts, model_dir: str, tmp_path, bucket
     prompt_file.write_text("\n".join(extraction_prompts) + "\n")
     url = f"s3://{bucket[1]}/run"
     arguments = [sys.executable, "-m", "vllm_runner.cli", "extract", "--model", model_dir,
-                 "--prompts", str(prompt_file), "--save", ",".join(LOCATIONS), "--out", url,
-                 "--shard-size", "4", "--max-model-len", "128", "--dtype", "float32",
+                 "--prompts", str(prompt_file), "--save", ",".join(EXTRACTED_LOCATIONS),
+                 "--out", url, "--shard-size", "4", "--max-model-len", "128", "--dtype", "float32",
                  "--ray", "--replicas", "2"]
     environment = {**user_environment(), **CREDENTIALS,
                    "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
@@ -124,7 +124,7 @@ def test_two_replicas_write_what_one_engine_writes(llm, extraction_prompts, extr
     _assert_every_shard_once(bucket, extraction_prompts)
     records = list(load(url))
     _assert_equal_to_memory(records, extraction_saves)
-    one = extract(llm, extraction_prompts, LOCATIONS, tmp_path / "one", shard_size=4,
+    one = extract(llm, extraction_prompts, EXTRACTED_LOCATIONS, tmp_path / "one", shard_size=4,
                   progress=False)
     for spread, alone in zip(records, load(one), strict=True):
         assert set(spread) == set(alone)

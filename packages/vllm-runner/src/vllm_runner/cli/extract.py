@@ -81,8 +81,7 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
     features = dict(features or {})
     store, settings = checked_folder(out, prompts, locations, positions, shard_size, model_name,
                                      features)
-    # A bad location or SAE fails now, not after the first shard.
-    llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
+    check_locations(llm, locations, features)  # now, not after the first shard
     manifest = open_manifest(store, settings)
     done = {shard["index"] for shard in manifest["shards"]}
     program = extraction_program(locations, positions, features)
@@ -108,6 +107,13 @@ def extract(llm: Any, prompts: Sequence[str], locations: Sequence[str], out: str
     finally:
         bar.close()
     return out
+
+
+def check_locations(llm: Any, locations: Sequence[str], features: dict[str, int | None]
+                    ) -> None:
+    """`LocationError` naming a location pattern, or an SAE of `features`, that `llm` does not
+    serve: asked of the engine before any prompt runs."""
+    llm.resolve([*locations, *(ops.Features(sae=name).location for name in features)])
 
 
 def extraction_program(locations: Sequence[str], positions: Sequence[int] | None,
@@ -144,8 +150,8 @@ def unit_tensors(llm: Any, batch: Sequence[str], first: int, program: Sequence[o
 
 
 def extraction_settings(prompts: Sequence[str], locations: Sequence[str],
-              positions: Sequence[int] | None, shard_size: int,
-              model_name: str, features: dict[str, int | None] | None = None) -> dict[str, Any]:
+                        positions: Sequence[int] | None, shard_size: int, model_name: str,
+                        features: dict[str, int | None] | None = None) -> dict[str, Any]:
     """What an extraction folder records, and a resumed run must match."""
     return {"format": FORMAT, "model": model_name, "locations": list(locations),
             **({"features": dict(features)} if features else {}),

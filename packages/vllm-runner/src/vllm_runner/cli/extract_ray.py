@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_runner import ops
 from vllm_runner.cli.extract import (
+    check_locations,
     checked_folder,
     extraction_program,
     open_manifest,
@@ -45,7 +45,7 @@ from vllm_runner.errors import InterpError
 #: Linux's longest Unix socket path, and what a Ray session adds to its temporary folder for
 #: its longest socket (`/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store`).
 SOCKET_PATH_LIMIT = 107
-RAY_SOCKET_SUFFIX = len("/ray/session_2026-12-07_20-40-07_664213_4194304/sockets/plasma_store")
+RAY_SOCKET_SUFFIX = len("/ray/session_YYYY-MM-DD_hh-mm-ss_uuuuuu_ppppppp/sockets/plasma_store")
 
 #: Variables of the driver's environment that the replicas get too (on another machine they
 #: would not otherwise): object-store endpoints and credentials, the hub's token, vLLM's and our
@@ -70,8 +70,7 @@ class Replica:
         self.refused: Exception | None = None
         try:
             self.llm = LLM(model, **engine)
-            self.llm.resolve([*locations,
-                              *(ops.Features(sae=name).location for name in features)])
+            check_locations(self.llm, locations, features)
         except (InterpError, ValueError) as error:
             self.refused = error
 
@@ -122,9 +121,10 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
                                      features)
     manifest = open_manifest(store, settings)
     done = {shard["index"] for shard in manifest["shards"]}
-    units: list[dict[str, Any]] = [{"index": index, "first": index * shard_size,
-              "prompts": list(prompts[index * shard_size:(index + 1) * shard_size])}
-             for index in range(-(-len(prompts) // shard_size)) if index not in done]
+    units: list[dict[str, Any]] = [
+        {"index": index, "first": index * shard_size,
+         "prompts": list(prompts[index * shard_size:(index + 1) * shard_size])}
+        for index in range(-(-len(prompts) // shard_size)) if index not in done]
     bar = tqdm(total=len(prompts), initial=len(prompts) - sum(len(u["prompts"]) for u in units),
                unit="prompt", disable=not progress, desc="extract")
     sizes = {unit["index"]: len(unit["prompts"]) for unit in units}
@@ -145,8 +145,8 @@ def extract_on_ray(prompts: Sequence[str], locations: Sequence[str], out: str | 
         tokens, started = 0, time.perf_counter()
         failed: list[bytes] = []
         # Every unit is waited for, even after one failed: leaving Ray Data's iteration early
-        # left threads of its own that touched Ray after `ray.shutdown`, which then ended the
-        # process with its own message instead of the run's error (1 run in 3 here).
+        # can leave threads of its own that touch Ray after `ray.shutdown`, which then ends the
+        # process with its own message instead of the run's error.
         for row in results.iter_rows():
             if row["error"]:
                 failed.append(row["error"])

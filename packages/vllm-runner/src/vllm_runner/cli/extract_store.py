@@ -7,7 +7,7 @@ whole, or not at all, when its upload completes; s3fs's multipart uploads too), 
 object is written under its final key. Either way a process killed mid-write leaves no shard a
 reader could take for a whole one. Writing to another store needs its fsspec implementation
 installed (s3fs for `s3://`, gcsfs for `gs://`) and its credentials in the usual places
-(`AWS_*` variables, `~/.aws`, ...); `FSSPEC_S3_ENDPOINT_URL` points s3fs at an S3-compatible
+(`AWS_*` variables, `~/.aws`, ...); `AWS_ENDPOINT_URL` points s3fs at an S3-compatible
 server.
 """
 
