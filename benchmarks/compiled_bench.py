@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -215,8 +215,9 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
         while (job := jobs.get()) is not None:
             arm, prompts, width, max_tokens, profiler = job
             failed: list[str] = []
+            saved = [0]
             workload = partial(run_workload, engine, kind.startswith("ours"), arm, prompts, width,
-                               max_tokens, (layers, config.get_hidden_size()), failed)
+                               max_tokens, (layers, config.get_hidden_size()), failed, saved)
             collecting[0] = 0.0
             meter = HostUseMeter()
             report = PROFILERS[profiler](workload) if profiler else workload()
@@ -224,7 +225,7 @@ def serve_engine(kind: str, model: str, settings: dict[str, Any],
             if failed:
                 results.put(("failed", failed[0]))
                 return
-            results.put(("took", use.wall, report, collecting[0], use))
+            results.put(("took", use.wall, report, collecting[0], use, saved[0]))
         results.put(("forwards", engine.forwards() if kind.startswith("ours") else None))
     finally:
         # An engine core in a process of its own (`--engine-core-apart`) is a child of this one,
@@ -246,10 +247,12 @@ def timed(collect: Callable[..., Any], spent: list[float]) -> Callable[..., Any]
 
 
 def run_workload(engine: Any, ours: bool, arm: str, prompts: list[list[int]], width: int,
-                 max_tokens: int, shape: tuple[int, int], failed: list[str]) -> None:
+                 max_tokens: int, shape: tuple[int, int], failed: list[str],
+                 saved: list[int]) -> None:
     """`prompts` through `engine`, `width` at a time, with `arm`'s programs on our engine
     (`shape`: the model's layers and hidden size); the first failed request's error goes to
-    `failed` and stops the run."""
+    `failed` and stops the run; the bytes of the saves that reached the caller are added to
+    `saved[0]`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -263,8 +266,29 @@ def run_workload(engine: Any, ours: bool, arm: str, prompts: list[list[int]], wi
         outputs = engine.generate(wave, params, use_tqdm=False,
                                   interventions=programs(arm, len(wave), *shape))
         failed.extend(output.error for output in outputs if output.error)
+        saved[0] += sum(tensor_bytes(output.saved) for output in outputs)
         if failed:
             return
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in `value`: a tensor, or dicts and lists of them (a request's
+    saves, by name)."""
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return int(value.nbytes) if hasattr(value, "nbytes") else 0
+
+
+class RunResult(NamedTuple):
+    """One timed run in an engine's process: its seconds, of them the seconds our engine spent
+    collecting saves, what the process used of the host meanwhile, and the bytes saved."""
+
+    seconds: float
+    collecting: float
+    host_use: HostUse
+    saved_bytes: int
 
 
 class Engine:
@@ -312,12 +336,11 @@ class Engine:
         return tuple(found)
 
     def run(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int
-            ) -> tuple[float, float, HostUse]:
-        """Seconds of one run of `arm`, of them the seconds spent collecting saves, and what
-        the engine's process used of the host meanwhile."""
+            ) -> RunResult:
+        """One timed run of `arm` on `prompts`, `width` in flight."""
         self.jobs.put((arm, prompts, width, max_tokens, None))
-        _, took, _, collecting, use = self.answer("took")
-        return float(took), float(collecting), use
+        _, took, _, collecting, use, saved = self.answer("took")
+        return RunResult(float(took), float(collecting), use, int(saved))
 
     def profile(self, arm: str, prompts: list[list[int]], width: int, max_tokens: int,
                 profiler: str) -> str:
@@ -517,15 +540,15 @@ def measure(arguments: argparse.Namespace, arms: list[str], engines: dict[str, E
         return engines[OWN_ENGINE.get(arm, "ours")]
 
     def run_arm(arm: str, prompts: list[list[int]]) -> float:
-        took, collecting, use = arm_engine_of(arm).run(arm, prompts, arguments.concurrency,
-                                                       arguments.max_tokens)
+        took, collecting, use, _ = arm_engine_of(arm).run(arm, prompts, arguments.concurrency,
+                                                          arguments.max_tokens)
         collection[arm].append(collecting)
         host_use[arm].append(use)
         return took
 
     def run_default(arm: str, prompts: list[list[int]]) -> float:
-        took, _, use = engines["default"].run("a", prompts, arguments.concurrency,
-                                              arguments.max_tokens)
+        took, _, use, _ = engines["default"].run("a", prompts, arguments.concurrency,
+                                                 arguments.max_tokens)
         default_host_use[arm].append(use)
         return took
 

@@ -1,4 +1,4 @@
-"""Random-weight Llama checkpoints of real models' shapes, and random SAEs, for benchmarks and
+"""Random-weight checkpoints of real models' shapes, and random SAEs, for benchmarks and
 GPU checks.
 
 No weights can be downloaded here or on the lent GPU, and speed depends on shapes, not on
@@ -33,17 +33,32 @@ SHAPES = {
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, tie_word_embeddings=False, rope_theta=500000.0),
+    # Qwen3-30B-A3B's layer (128 experts, 8 a token), 12 of its 48 layers: 16 GB in bf16, so
+    # vLLM's default engine and ours fit one 80 GB GPU side by side. A layer costs what the
+    # full model's does; the model's cost per token is a quarter.
+    "qwen3-30b-a3b-12l": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                              intermediate_size=6144, moe_intermediate_size=768,
+                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                              num_hidden_layers=12, num_attention_heads=32,
+                              num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                              rope_theta=1000000.0),
+    "tiny-moe": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=128,
+                     intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                     num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
 }
 
 
 def random_checkpoint(shape: str, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                       device: str = "cpu", weights: bool = True) -> str:
-    """Save a random Llama of `shape` (a key of `SHAPES`) into `folder` once; return its path.
+    """Save a random model of `shape` (a key of `SHAPES`; a Llama unless it names another
+    `model_type`) into `folder` once; return its path.
 
     Weights are drawn with a fixed seed at a scale (std 0.02, transformers' own init) that keeps
     bf16 activations finite through every layer. `weights=False` saves the config alone (for
     `load_format="dummy"`)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -51,10 +66,16 @@ def random_checkpoint(shape: str, folder: str | Path, dtype: torch.dtype = torch
     if (path / "config.json").exists():
         return str(path)
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=4096, rms_norm_eps=1e-5, **SHAPES[shape])
+    fields = dict(SHAPES[shape])
+    model_type = fields.pop("model_type", "llama")
+    # The causal-LM class named, as a real checkpoint's config does: without it vLLM may take
+    # the model for another task.
+    config = AutoConfig.for_model(model_type, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                  architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]],
+                                  **fields)
     if weights:
         with torch.device(device):  # initialising 1B parameters on a GPU takes a second
-            model = LlamaForCausalLM(config).to(dtype)
+            model = AutoModelForCausalLM.from_config(config).to(dtype)
         model.save_pretrained(path, safe_serialization=True)
     else:
         config.dtype = dtype

@@ -31,6 +31,8 @@
 #                                         short pairs, many repeats, less of the host's noise)
 #   benchmarks/gpu/check.sh sae [REPEATS]   (e) the SAE ops ([P]) at the Llama-3.1-8B shape against
 #                                         vLLM's default engine (ARMS= picks of a,sf,sf32,ss,sc)
+#   benchmarks/gpu/check.sh headline SHAPE   (f) docs/benchmarks.md's headline table at SHAPE
+#                                         ([T]; ARMS=, NO_TWIN=1, PART=, REPEATS=, COMMIT=)
 #   benchmarks/gpu/check.sh COMMAND ...  any command in this environment (e.g. the bench's --profile)
 # Run benchmarks one at a time: beside a second one on the other GPU the bare engine was 1.6x
 # slower (host work of two processes), and arms whose cost is host work more so.
@@ -286,6 +288,24 @@ sae() {
     --out "$out/sae-gpu.md" > "$out/sae-gpu.log" 2>&1
   local status=$?
   grep -v WARNING "$out/sae-gpu.log" | grep -v "Capturing CUDA graphs" | tail -30
+  return $status
+}
+
+headline() {
+  # Issue [T]: docs/benchmarks.md's headline table, one shape a call (llama-3.1-8b,
+  # qwen3-30b-a3b-12l): 256 requests x (512 prompt + 128 generated) against vLLM's default
+  # engine, each in its own process, then the A/A twin. ARMS= picks arms (all by default: ~15
+  # minutes at the 8B shape, more than a call: split them over calls, NO_TWIN=1 on all but one;
+  # PART= names each call's result file); COMMIT= the commit measured (no git there).
+  # Results: $out/headline/<shape>[-PART].json, for `benchmarks/headline.py --render`.
+  local shape=${1:-llama-3.1-8b}
+  mkdir -p "$out/headline"
+  local name="$shape${PART:+-$PART}"
+  $python benchmarks/headline.py --shape "$shape" ${ARMS:+--arms "$ARMS"} \
+    ${NO_TWIN:+--no-twin} --repeats "${REPEATS:-3}" --commit "${COMMIT:-unknown}" \
+    --out "$out/headline/$name.json" > "$out/headline/$name.log" 2>&1
+  local status=$?
+  grep -v WARNING "$out/headline/$name.log" | grep -v "Capturing CUDA graphs" | tail -30
   return $status
 }
 
