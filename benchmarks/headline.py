@@ -80,9 +80,9 @@ SAE_WIDTH = 65536
 #: The peers' own published figures, for the arms they can run (not measured by us).
 PEERS = [
     ("interp-engine 1.14.2", "vLLM 0.28, B200 / H100; Qwen3-4B, Llama-3.1-8B",
-     "declared taps (`vllm-static`), no programs to reads at 8 streams: 0.87-0.90 of plain "
-     "graph vLLM (1,520 vs 1,751 and 1,831 vs 2,035 tok/s); single stream 0.88-0.94; its "
-     "hooked default 4-11x slower", "PERFORMANCE.md, README"),
+     "its static taps (`vllm-static`) against plain graph vLLM, 8 streams: 0.87 at "
+     "Llama-3.1-8B (1,520 vs 1,751 tok/s), 0.90 at Qwen3-4B; one stream: 0.94 and 0.88; its "
+     "hooked default 4-11x slower", "its PERFORMANCE.md (1.3.4) and README (1.14.2)"),
     ("EasySteer", "vLLM 0.26 fork; R1-Distill-Qwen-1.5B, 256 requests, 128 tokens",
      "every layer steered in the graph: 0.76 (25.3k vs 33.2k tok/s)", "README"),
     ("nnsight 0.8.1 (vLLM backend)", "8B on one GPU",
@@ -337,7 +337,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     results = merged(results)
     arms = [arm for arm in [*ARMS, TWIN] if any(arm in found["arms"] for found in results)]
-    figure, axes = plt.subplots(figsize=(10, 1.5 + 0.5 * len(arms)))
+    figure, axes = plt.subplots(figsize=(10, 2.2 + 0.5 * len(arms)))
     height = 0.8 / len(results)
     for index, found in enumerate(results):
         rows = [(position, found["arms"][arm]["ratios"]) for position, arm in enumerate(arms)
@@ -354,10 +354,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                       linewidth=1.5)
     axes.set_yticks([position + 0.4 - height / 2 for position in range(len(arms))], arms)
     axes.axvline(1.0, color="grey", linewidth=0.8)
+    lowest = min(min(arm["ratios"]) for found in results for arm in found["arms"].values())
+    axes.set_xlim(min(0.5, lowest - 0.05), 1.1)
     axes.invert_yaxis()
     axes.set_xlabel("throughput ratio to vLLM's default engine (1.0 = free; bars: min-max; "
                     "black ticks: targets)")
-    axes.legend(loc="lower left", fontsize=8)
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
