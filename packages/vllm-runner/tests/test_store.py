@@ -43,6 +43,33 @@ def test_collected_rows_own_their_memory_and_filters_apply() -> None:
         assert saved["a"].untyped_storage().nbytes() == saved["a"].numel() * 4
 
 
+@pytest.mark.parametrize(("keep", "positions"), [
+    (lambda p: p == 12, [12]),  # a probe's one row
+    (lambda p: p >= 11, [11, 12]),  # a run without gaps
+    (lambda p: p != 11, [10, 12]),  # a gap: the rows gathered by index
+])
+def test_filtered_rows_without_gaps_are_taken_without_an_index(monkeypatch, keep,
+                                                               positions) -> None:
+    gathered = []
+    index_select = torch.Tensor.index_select
+
+    def counted(rows, *arguments):
+        gathered.append(arguments)
+        return index_select(rows, *arguments)
+
+    # On a GPU an index is a host-to-device copy that waits for the device, for every request
+    # and location collected: a run without gaps needs none.
+    monkeypatch.setattr(torch.Tensor, "index_select", counted)
+    store = SaveStore()
+    step = torch.randn(1, 3, 4)
+    store.save("k", "a", 10, step, 1)
+    (saved,) = store.collect([("k", 13, {"a": keep})]).values()
+    assert torch.equal(saved["a"], step[:, [position - 10 for position in positions]])
+    assert saved["a"].untyped_storage().nbytes() == saved["a"].numel() * 4  # its own memory
+    assert len(gathered) == (0 if positions == list(range(positions[0], positions[-1] + 1))
+                             else 1)
+
+
 # 64 bytes: tensors over the staging buffer cross alone, window by window; 256: batches of a few
 # tensors of mixed dtypes, each launched into one half of the buffer while the batch before it
 # is written out from the other (a batch staged into the half still being written out fails
