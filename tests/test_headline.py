@@ -39,8 +39,9 @@ def test_the_table_merges_a_shapes_calls_and_judges_medians_against_targets() ->
             if line.startswith("| ")}
     # One column pair per shape, in SHAPES' order whatever the files' order.
     assert rows["arm"].index("Llama-3.1-8B") < rows["arm"].index("Qwen3-30B-A3B")
-    assert "**0.99** (0.97-1.01) | met | **0.97** (0.96-0.98) | **not met**" in rows["none"]
-    assert "**0.84** (0.80-0.90) | **not met** | — |" in rows["extract"]
+    # Only the target shape's ratios are judged: the targets are set for it.
+    assert rows["none"].endswith("| **0.99** (0.97-1.01) | met | **0.97** (0.96-0.98) |")
+    assert rows["extract"].endswith("| **0.84** (0.80-0.90) | **not met** | — |")
     assert "**0.95** (0.90-0.96) | **not met**" in rows["steer"]
     assert "A/A control" in rows["twin"] and "**1.00** (0.98-1.02)" in rows["twin"]
     assert "probe" not in rows  # measured by no run
