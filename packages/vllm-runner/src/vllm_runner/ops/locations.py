@@ -23,10 +23,20 @@ def _layer_indices(selector: str, layers: int, pattern: str) -> list[int]:
     if ":" in selector:
         start, _, stop = selector.partition(":")
         try:
-            return list(range(layers))[slice(int(start) if start else None,
-                                             int(stop) if stop else None)]
+            bounds = [int(bound) if bound else None for bound in (start, stop)]
         except ValueError:
             raise LocationError(f"{pattern!r}: bad layer range {selector!r}") from None
+        # A bound past the model is a mistake (another model's depth), not a wish for fewer
+        # layers: Python's slice would drop the layers that are not there without a word.
+        if any(bound is not None and not -layers <= bound <= layers for bound in bounds):
+            raise LocationError(f"{pattern!r}: the layer range {selector!r} reaches past the "
+                                f"model (it has {layers} layers: 0..{layers - 1}; a range "
+                                "start:stop leaves stop out)")
+        indices = list(range(layers))[slice(*bounds)]
+        if not indices:
+            raise LocationError(f"{pattern!r}: the layer range {selector!r} names no layer "
+                                f"(the model has {layers} layers: 0..{layers - 1})")
+        return indices
     try:
         index = int(selector)
     except ValueError:
