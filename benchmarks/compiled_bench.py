@@ -272,13 +272,11 @@ def run_workload(engine: Any, ours: bool, arm: str, prompts: list[list[int]], wi
 
 
 def tensor_bytes(value: Any) -> int:
-    """The bytes of the tensors in `value`: a tensor, or dicts and lists of them (a request's
-    saves, by name)."""
+    """The bytes of the tensors in `value`: a tensor, or a dict of them by name (a request's
+    saves; a `Call`'s saved dict nests one more)."""
     if isinstance(value, dict):
         return sum(tensor_bytes(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(item) for item in value)
-    return int(value.nbytes) if hasattr(value, "nbytes") else 0
+    return int(value.nbytes)
 
 
 class RunResult(NamedTuple):

@@ -133,11 +133,11 @@ def in_a_process(function: Callable[[], Any]) -> Any:
 
 
 def measure(arguments: argparse.Namespace) -> None:
-    """The arms and the twin at one shape, a result file written after every repeat (a call cut
-    short keeps what it measured)."""
+    """The arms and the twin at one shape, the result file written after every pair (a call
+    cut short keeps what it measured)."""
     import torch
     import vllm
-    from compiled_bench import Engine, RunResult, exit_on_sigterm, stopped_on_failure
+    from compiled_bench import SAE_ARMS, Engine, RunResult, exit_on_sigterm, stopped_on_failure
     from pairs import timed_pair
     from random_models import random_checkpoint, random_sae_folder
 
@@ -150,7 +150,7 @@ def measure(arguments: argparse.Namespace) -> None:
     middle = layers // 2
     taps = (["layers.*.layer_output"], [f"layers.{middle}.layer_output"])
     saes = {"middle": random_sae_folder(hidden, SAE_WIDTH, middle, torch.bfloat16)} \
-        if any(ARMS[arm].program in ("sf", "ss", "sc") for arm in arms) else {}
+        if any(ARMS[arm].program in SAE_ARMS for arm in arms) else {}
     settings: dict[str, Any] = {"dtype": "bfloat16", "seed": 0, "load_format": "dummy",
                                 "skip_tokenizer_init": True}
     if on_gpu:
@@ -208,10 +208,8 @@ def measure(arguments: argparse.Namespace) -> None:
     exit_on_sigterm()
     engines: dict[str, Engine] = {}
     with stopped_on_failure(engines):
-        for name, kind, engine_taps in (("default", "default", ([], [])),
-                                        ("ours", "ours", taps)):
-            engines[name] = Engine(kind, model, settings, engine_taps,
-                                   saes if kind == "ours" else None)
+        engines["default"] = Engine("default", model, settings)
+        engines["ours"] = Engine("ours", model, settings, taps, saes)
         warm = fresh_prompts()
         for engine in engines.values():
             engine.run("a", warm, arguments.requests, arguments.max_tokens)
